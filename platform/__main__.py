@@ -1,0 +1,3 @@
+from raylane.cli import main
+
+main()

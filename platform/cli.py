@@ -1,0 +1,127 @@
+"""The ``raylane`` command line (typer)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from raylane import config as cfg
+
+app = typer.Typer(
+    name="raylane",
+    help="Distributed training on heterogeneous, preemptible Ray clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+ADDRESS_HELP = "Ray address to join (e.g. auto, or host:6379). Default: an embedded local Ray."
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def cluster(
+    address: Optional[str] = typer.Option(None, help=ADDRESS_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the cluster view as JSON."),
+    calibrate: bool = typer.Option(True, help="Measure the speed of nodes without a raylane.io/speed label."),
+) -> None:
+    """Show the cluster view: nodes, markets, speeds, resources."""
+    from raylane import session
+    from raylane.cluster import ClusterView
+
+    session.connect(address)
+    view = ClusterView.from_ray(calibrate=calibrate)
+    if as_json:
+        typer.echo(json.dumps(view.to_json(), indent=2))
+        return
+    table = Table(title=f"Ray cluster: {len(view.alive)} alive node(s)")
+    for col in ("node", "address", "market", "speed", "CPU", "GPU", "accelerator", "memory GiB", "free CPU", "status"):
+        table.add_column(col)
+    for n in view.nodes:
+        status = "dead" if not n.alive else ("draining" if n.draining else "alive")
+        table.add_row(
+            n.node_id[:12] + (" (head)" if n.is_head else ""),
+            n.address,
+            n.market,
+            f"{n.speed:g} ({n.speed_source})",
+            f"{n.cpus:g}",
+            f"{n.gpus:g}",
+            n.accelerator_type or "-",
+            f"{n.memory / 2**30:.1f}",
+            f"{n.available.get('CPU', 0):g}",
+            status,
+        )
+    console.print(table)
+
+
+@app.command()
+def jobs(job: Optional[str] = typer.Argument(None, help="Show this job's config keys with their defaults and docs.")) -> None:
+    """List the workloads that can run, or one job's config."""
+    from raylane import registry
+
+    if job is None:
+        table = Table(title="raylane jobs")
+        table.add_column("job")
+        table.add_column("what it does")
+        for name, spec in registry.available().items():
+            table.add_row(name, spec.summary)
+        console.print(table)
+        return
+    try:
+        spec = registry.get(job)
+    except registry.UnknownJobError as exc:
+        _fail(str(exc))
+    table = Table(title=f"{spec.name}: config keys (--set key=value)")
+    for col in ("key", "type", "default", "what it is"):
+        table.add_column(col)
+    for key, tname, default, doc in cfg.describe(spec.config_cls):
+        table.add_row(key, tname, repr(default), doc)
+    console.print(table)
+
+
+@app.command()
+def run(
+    job: str = typer.Argument(..., help="The job to run (see `raylane jobs`)."),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file with config overrides."),
+    set_: List[str] = typer.Option([], "--set", "-s", help="Override a config key: key=value (repeatable)."),
+    address: Optional[str] = typer.Option(None, help=ADDRESS_HELP),
+    run_name: Optional[str] = typer.Option(None, help="Run name; the same name again resumes from its latest checkpoint."),
+    progress: bool = typer.Option(True, help="Show the live progress bar."),
+    dashboard: bool = typer.Option(False, help="Start the Ray dashboard (bound to 127.0.0.1) with the embedded Ray."),
+) -> None:
+    """Run a job: on an embedded local Ray, or on the cluster at --address."""
+    from raylane import registry
+    from raylane.driver import DriverError
+    from raylane.launch import load_job_config, run_job
+
+    try:
+        spec = registry.get(job)
+        conf = load_job_config(spec, config_file=config, overrides=set_, run_name=run_name, progress=progress)
+    except (registry.UnknownJobError, cfg.ConfigError) as exc:
+        _fail(str(exc))
+    try:
+        summary = run_job(spec, conf, address=address, dashboard=dashboard)
+    except DriverError as exc:
+        _fail(str(exc), code=1)
+    metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary["final_metrics"].items())
+    console.print(f"{spec.name}: {summary['state']} after {summary['steps']} steps in {summary['wall_time_s']:.1f} s; {metrics}")
+    console.print(f"run folder: {summary['run_dir']}")
+
+
+def main() -> None:
+    app(prog_name="raylane")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""The driver: an explicit state machine that runs one workload to the end.
+
+::
+
+    INITIALIZING -> RUNNING -> (RECOVERING -> RUNNING)* -> FINISHED | FAILED
+
+INITIALIZING snapshots the cluster, plans the workload's roles, lets the workload
+build its pools, and resumes from the run's latest checkpoint if there is one.
+RUNNING calls ``workload.step`` and, between steps, logs metrics, reacts to node
+events (a preemption notice for a node that holds stateful actors triggers a
+checkpoint at once), checkpoints by policy, and resizes elastic pools by policy.
+RECOVERING is entered when a step raises: the failure policy decides between giving
+up (FAILED, with the grouped errors) and recovering (the workload rebuilds what it
+lost and reloads the latest checkpoint).
+
+A workload implements :class:`Workload`; the driver never imports a workload.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from raylane import config as cfg
+from raylane.checkpoint import CheckpointStore
+from raylane.cluster import ClusterView
+from raylane.placement import Plan, RoleSpec, capacity, plan
+from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, PoolView, ScalingPolicy
+from raylane.pool import LOST, ActorPool, PoolError, WorkError
+from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
+from raylane.runlog import Progress, RunLog
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    INITIALIZING = "initializing"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+# The transitions the driver may make; anything else is a bug in the driver.
+TRANSITIONS = {
+    State.INITIALIZING: {State.RUNNING, State.FAILED},
+    State.RUNNING: {State.RUNNING, State.RECOVERING, State.FINISHED, State.FAILED},
+    State.RECOVERING: {State.RUNNING, State.FAILED},
+    State.FINISHED: set(),
+    State.FAILED: set(),
+}
+
+
+class DriverError(RuntimeError):
+    """The run ended FAILED; the message says why and where its last checkpoint is."""
+
+
+class NonFiniteError(DriverError):
+    """A guarded metric (a loss) became NaN or infinite."""
+
+
+@dataclass
+class DriverConfig:
+    """How a run is driven: its name and folder, stop rules, checkpoints, failures."""
+
+    run_name: str | None = None
+    """Run name; its files go to ``<runs_dir>/<run_name>/``. Running the same name again resumes it. Default: ``<job>-<date>-<time>``."""
+    runs_dir: str = "runs"
+    """Folder holding every run's folder."""
+    max_steps: int = cfg.field(100, ge=1)
+    """Stop after this many steps (the workload may stop earlier on its own target)."""
+    max_wall_s: float = cfg.field(0.0, ge=0)
+    """Stop after this many seconds of wall time; 0 means no limit."""
+    checkpoint_uri: str | None = None
+    """Where checkpoints go: a local folder or any pyarrow URI (``s3://...``); ``<uri>/<run_name>/<step>/``. Default: ``<run folder>/checkpoints``."""
+    checkpoint_every_steps: int = cfg.field(10, ge=0)
+    """Checkpoint every N steps (0: off). Also at the end and at once on a preemption notice."""
+    checkpoint_every_s: float = cfg.field(0.0, ge=0)
+    """Checkpoint when this many seconds passed since the last one (0: off)."""
+    keep_checkpoints: int = cfg.field(3, ge=1)
+    """Keep the newest K checkpoints."""
+    max_failures: int = cfg.field(3, ge=0)
+    """Failures the run recovers from before it is FAILED."""
+    resume: bool = True
+    """Continue from the run's latest checkpoint when the run folder already has one."""
+    autoscale: bool = True
+    """Grow elastic pools when nodes join and shrink them when nodes leave."""
+    progress: bool = True
+    """Show a live progress bar."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars under ``<run folder>/tb``."""
+
+
+@dataclass
+class Context:
+    """What a workload gets to build itself: the cluster, the plan for its roles, a store."""
+
+    cluster: ClusterView
+    plan: Plan
+    store: CheckpointStore
+    run_dir: Path
+    log: RunLog
+
+    def count(self, role: str) -> int:
+        return self.plan.count(role)
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """What the driver needs from a workload. See :class:`Driver` for when each is called."""
+
+    name: str
+    main_metric: str
+    guarded_metrics: tuple[str, ...]
+
+    def roles(self) -> list[RoleSpec]: ...
+    def setup(self, ctx: Context) -> None: ...
+    def step(self, step: int) -> dict[str, Any]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def done(self, step: int, metrics: dict[str, Any]) -> bool: ...
+    def pools(self) -> dict[str, ActorPool]: ...
+    def recover(self, ctx: Context, error: BaseException) -> None: ...
+    def close(self) -> None: ...
+
+
+def is_recoverable(exc: BaseException) -> bool:
+    """Lost actors, lost nodes and timeouts are recoverable; a method that raised is a bug."""
+    if isinstance(exc, WorkError):
+        return False
+    return isinstance(exc, LOST + (PoolError, TimeoutError))
+
+
+def default_run_name(job: str) -> str:
+    return f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class Driver:
+    """Runs ``workload`` under ``config``; :meth:`run` returns the summary dict."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        config: DriverConfig,
+        *,
+        failure_policy: FailurePolicy | None = None,
+        scaling_policy: ScalingPolicy | None = None,
+        poll_events: bool = True,
+        cluster_source: Callable[[], ClusterView] | None = None,
+    ):
+        """``cluster_source`` gives cluster snapshots (default: Ray's); tests of the state
+        machine pass a fixed view and ``poll_events=False`` to run without Ray."""
+        self.workload = workload
+        self._cluster_source = cluster_source or ClusterView.from_ray
+        self.config = config
+        self.run_name = config.run_name or default_run_name(workload.name)
+        self.run_dir = Path(config.runs_dir) / self.run_name
+        self.failure_policy = failure_policy or FailurePolicy(max_failures=config.max_failures)
+        self.checkpoint_policy = CheckpointPolicy(config.checkpoint_every_steps, config.checkpoint_every_s)
+        self.scaling_policy = scaling_policy or ScalingPolicy(grow=config.autoscale)
+        self.poll_events = poll_events
+        self.state = State.INITIALIZING
+        self.history: list[tuple[float, State]] = [(time.time(), State.INITIALIZING)]
+        self.step = 0
+        self.failures: list[Failure] = []
+        self.checkpoints_written = 0
+        self.resumed_from: int | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self._last_ckpt_step: int | None = None
+        self._last_ckpt_time = time.time()
+        self._ctx: Context | None = None
+        self._monitor: PreemptionMonitor | None = None
+
+    # ------------------------------------------------------------ state machine
+
+    def _to(self, new: State, why: str = "") -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"driver bug: transition {self.state.name} -> {new.name} is not allowed")
+        if new is not self.state:
+            log.info("driver: %s -> %s %s", self.state.name, new.name, why)
+            if self._ctx is not None:
+                self._ctx.log.event("state", state=new.value, reason=why, step=self.step)
+        self.state = new
+        self.history.append((time.time(), new))
+
+    def run(self) -> dict[str, Any]:
+        started = time.time()
+        runlog = RunLog(self.run_dir, tensorboard=self.config.tensorboard)
+        uri = self.config.checkpoint_uri
+        store_uri = str(self.run_dir / "checkpoints") if uri is None else f"{uri.rstrip('/')}/{self.run_name}"
+        store = CheckpointStore(store_uri, keep=self.config.keep_checkpoints)
+        progress = Progress(self.config.progress, self.config.max_steps, self.workload.main_metric, self.workload.name)
+        error: BaseException | None = None
+        try:
+            self._initialize(runlog, store)
+            self._to(State.RUNNING, "initialized")
+            while self.state is State.RUNNING:
+                if self._should_stop(started):
+                    self._checkpoint(final=True)
+                    self._to(State.FINISHED, "stop condition reached")
+                    break
+                try:
+                    metrics = self.workload.step(self.step)
+                except Exception as exc:  # noqa: BLE001 - every failure goes through the policy
+                    self._recover(exc)
+                    continue
+                self._check_finite(metrics)
+                self.step += 1
+                self.last_metrics = metrics
+                runlog.metrics(self.step, metrics)
+                progress.update(self.step, metrics)
+                notice = self._handle_events()
+                self._checkpoint(notice=notice)
+                if self.workload.done(self.step, metrics):
+                    self._checkpoint(final=True)
+                    self._to(State.FINISHED, "workload reached its target")
+        except BaseException as exc:
+            error = exc
+            if self.state not in (State.FINISHED, State.FAILED):
+                self._to(State.FAILED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        finally:
+            progress.close()
+            summary = self._summary(started, error)
+            runlog.summary(summary)
+            runlog.close()
+            try:
+                self.workload.close()
+            except Exception as exc:  # noqa: BLE001 - closing must not hide the run's result
+                log.warning("workload close failed: %s", exc)
+        if error is not None:
+            if isinstance(error, DriverError):
+                raise error
+            raise DriverError(f"run {self.run_name!r} failed at step {self.step}: {error}\n{self._ckpt_hint()}") from error
+        return summary
+
+    # ------------------------------------------------------------ phases
+
+    def _initialize(self, runlog: RunLog, store: CheckpointStore) -> None:
+        cluster = self._cluster_source()
+        roles = self.workload.roles()
+        the_plan = plan(roles, cluster)
+        self._ctx = Context(cluster, the_plan, store, self.run_dir, runlog)
+        runlog.event("plan", assignments=[a.__dict__ for a in the_plan.assignments])
+        self.workload.setup(self._ctx)
+        if self.poll_events:
+            self._monitor = PreemptionMonitor()
+        if self.config.resume:
+            latest = store.latest()
+            if latest is not None:
+                self._load(latest.step)
+                self.resumed_from = latest.step
+                runlog.event("resume", step=latest.step)
+
+    def _load(self, step: int) -> None:
+        assert self._ctx is not None
+        at, state = self._ctx.store.load(step)
+        self.workload.load_state_dict(state["workload"])
+        self.step = at
+        self._last_ckpt_step = at
+        self._last_ckpt_time = time.time()
+
+    def _should_stop(self, started: float) -> bool:
+        if self.step >= self.config.max_steps:
+            return True
+        return bool(self.config.max_wall_s) and time.time() - started >= self.config.max_wall_s
+
+    def _check_finite(self, metrics: dict[str, Any]) -> None:
+        for key in self.workload.guarded_metrics:
+            value = metrics.get(key)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                raise NonFiniteError(
+                    f"metric {key!r} is {value} at step {self.step + 1}; the step's update was not checkpointed. "
+                    f"{self._ckpt_hint()} Lower the learning rate or check the inputs, then run again with the same run name."
+                )
+
+    def _ckpt_hint(self) -> str:
+        if self._ctx is None:
+            return "No checkpoint was written."
+        latest = self._ctx.store.latest()
+        return f"The last good checkpoint is step {latest.step} at {latest.path}." if latest else "No checkpoint was written."
+
+    def _checkpoint(self, *, notice: bool = False, final: bool = False) -> None:
+        assert self._ctx is not None
+        status = CheckpointStatus(self.step, self._last_ckpt_step, self._last_ckpt_time, time.time(), notice=notice, final=final)
+        save, why = self.checkpoint_policy.decide(status)
+        if not save:
+            return
+        t0 = time.time()
+        self._ctx.store.save(self.step, {"workload": self.workload.state_dict(), "driver": {"step": self.step, "run": self.run_name}})
+        self._last_ckpt_step, self._last_ckpt_time = self.step, time.time()
+        self.checkpoints_written += 1
+        self._ctx.log.event("checkpoint", step=self.step, reason=why, seconds=time.time() - t0)
+
+    def _recover(self, exc: BaseException) -> None:
+        assert self._ctx is not None
+        self._to(State.RECOVERING, f"{type(exc).__name__} at step {self.step}")
+        role = getattr(exc, "role", None) or "workload"
+        self.failures.append(Failure(role, getattr(exc, "actor", "?"), f"{type(exc).__name__}: {exc}", self.step, time.time()))
+        decision = self.failure_policy.decide(self.failures, recoverable=is_recoverable(exc))
+        self._ctx.log.event("failure", step=self.step, error=str(exc)[:2000], decision=decision.action, reason=decision.reason)
+        if decision.action == "fail":
+            self._to(State.FAILED, decision.reason)
+            raise DriverError(f"run {self.run_name!r} failed at step {self.step}: {decision.reason}\n{self._ckpt_hint()}") from exc
+        self._ctx.cluster = self._cluster_source()
+        self.workload.recover(self._ctx, exc)
+        latest = self._ctx.store.latest()
+        if latest is not None:
+            self._load(latest.step)
+        self._to(State.RUNNING, f"recovered from step {self.step}")
+
+    def _handle_events(self) -> bool:
+        """React to node events; True when a node with stateful actors got a notice."""
+        if self._monitor is None or self._ctx is None:
+            return False
+        events = self._monitor.poll()
+        if not events:
+            return False
+        pools = self.workload.pools()
+        notice = False
+        stateful_roles = {r.name for r in self.workload.roles() if r.stateful}
+        for ev in events:
+            self._ctx.log.event(type(ev).__name__, node=ev.node_id, market=ev.market, deadline=getattr(ev, "deadline", None))
+            if isinstance(ev, NodeLeaving):
+                for name, pool in pools.items():
+                    on_node = pool.status().nodes.get(ev.node_id, 0)
+                    if on_node and name in stateful_roles:
+                        notice = True
+                    if on_node:
+                        pool.evacuate(ev.node_id, "preemption notice")
+            handler = getattr(self.workload, "on_event", None)
+            if handler is not None:
+                notice = bool(handler(ev)) or notice
+        self._ctx.cluster = self._cluster_source()
+        if any(isinstance(e, (NodeJoined, NodeLost)) for e in events):
+            self._rescale(pools)
+        return notice
+
+    def _rescale(self, pools: dict[str, ActorPool]) -> None:
+        assert self._ctx is not None
+        views = []
+        for name, pool in pools.items():
+            st = pool.status()
+            views.append(PoolView(name, st.target, st.live, pool.role.lo, pool.role.hi, capacity(pool.role, self._ctx.cluster)))
+        for role, target in self.scaling_policy.targets(views).items():
+            self._ctx.log.event("scale", role=role, target=target, reason="capacity changed")
+            pools[role].resize(target)
+
+    def _summary(self, started: float, error: BaseException | None) -> dict[str, Any]:
+        return {
+            "run": self.run_name,
+            "job": self.workload.name,
+            "state": self.state.value,
+            "steps": self.step,
+            "wall_time_s": round(time.time() - started, 3),
+            "final_metrics": self.last_metrics,
+            "resumed_from": self.resumed_from,
+            "failures_recovered": sum(1 for _ in self.failures) - (1 if self.state is State.FAILED and self.failures else 0),
+            "checkpoints_written": self.checkpoints_written,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "run_dir": str(self.run_dir),
+        }

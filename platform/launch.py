@@ -1,0 +1,57 @@
+"""Running a job: validate its config, connect to Ray, drive it, report where it went.
+
+Shared by ``raylane run`` and ``python -m raylane.jobs.<name>`` (which is what
+``raylane submit`` and ``ray job submit`` execute on a cluster), so both take the
+same flags and refuse a bad config before Ray starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+from raylane import config as cfg
+from raylane.registry import JobSpec
+
+
+def load_job_config(spec: JobSpec, *, config_file: str | None = None, overrides: Sequence[str] = (), run_name: str | None = None, progress: bool | None = None) -> Any:
+    """The job's validated config: defaults <- YAML file <- ``--set`` overrides."""
+    extra = list(overrides)
+    if run_name is not None:
+        extra.append(f"driver.run_name={run_name}")
+    conf = cfg.load_config(spec.config_cls, yaml_path=config_file, overrides=extra)
+    if progress is not None and hasattr(conf, "driver"):
+        conf.driver.progress = progress
+    return conf
+
+
+def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: bool = False) -> dict:
+    """Drive one run of ``spec`` with ``conf`` on the given (or an embedded) Ray; returns its summary."""
+    from raylane import session
+    from raylane.driver import Driver
+
+    session.connect(address, dashboard=dashboard)
+    workload = spec.build(conf)
+    return Driver(workload, conf.driver).run()
+
+
+def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
+    """``python -m raylane.jobs.<name> [--config F] [--set k=v ...] [--address A] [--run-name N]``."""
+    parser = argparse.ArgumentParser(prog=f"python -m raylane.jobs.{spec.name}", description=spec.summary)
+    parser.add_argument("--config", help="YAML file with config overrides")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key (repeatable)")
+    parser.add_argument("--address", default=None, help="Ray address to join; default: the cluster this runs on (auto) when launched as a Ray job, else an embedded local Ray")
+    parser.add_argument("--run-name", default=None)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        conf = load_job_config(spec, config_file=args.config, overrides=args.set, run_name=args.run_name, progress=False if args.no_progress else None)
+    except cfg.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    import os
+
+    address = args.address or ("auto" if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID") else None)
+    summary = run_job(spec, conf, address=address)
+    print(f"run folder: {summary['run_dir']}")

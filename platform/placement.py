@@ -1,0 +1,338 @@
+"""Placement maths: where each role's actors go. Pure functions, no Ray.
+
+A *role* is a group of interchangeable actors (rollout workers, samplers, parameter
+shards, ...). It states what one actor needs and whether it holds state that must not
+be lost. The planner assigns actors to nodes of a :class:`~raylane.cluster.ClusterView`:
+
+* stateful roles (parameter shards, learners, trainers) prefer on-demand nodes,
+* stateless roles (rollout workers, samplers) prefer spot nodes,
+* a role that does not fit its preferred market falls back to the other one and the
+  plan records why; a role that fits nowhere is an error naming the missing resources.
+
+:func:`ray_options` is the one place where a plan becomes Ray scheduling options.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from fractions import Fraction
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Sequence
+
+from raylane.cluster import ClusterView, NodeInfo
+
+SPOT = "spot"
+ON_DEMAND = "on-demand"
+MARKET_LABEL = "ray.io/market-type"
+
+
+class PlacementError(ValueError):
+    """A role cannot be placed; the message names the role and what is missing."""
+
+
+def split_by_speed(total: int, speeds: Sequence[float]) -> list[int]:
+    """Split ``total`` items into integer shares proportional to ``speeds``.
+
+    Largest-remainder rounding: the shares sum to ``total``, each share is within 1 of
+    its exact value ``total * s / sum(speeds)``, and a zero-speed entry gets 0. Ties in
+    the remainder go to the faster entry, then the earlier one, so the result is
+    deterministic.
+
+    >>> split_by_speed(10, [1, 2, 2])
+    [2, 4, 4]
+    >>> split_by_speed(7, [1.0, 0.0, 1.0])
+    [4, 0, 3]
+    """
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    if len(speeds) == 0:
+        raise ValueError("split_by_speed needs at least one speed, got an empty list")
+    bad = [s for s in speeds if not math.isfinite(s) or s < 0]
+    if bad:
+        raise ValueError(f"speeds must be finite and >= 0, got {list(speeds)}")
+    if sum(speeds) <= 0:
+        raise ValueError(f"at least one speed must be > 0 to split {total} items, got {list(speeds)}")
+    # Exact rational arithmetic: float remainders that are equal in theory can differ
+    # in the last bit, which would break the documented tie rule.
+    fr = [Fraction(s) for s in speeds]
+    weight = sum(fr)
+    exact = [total * s / weight for s in fr]
+    shares = [math.floor(x) for x in exact]
+    left = total - sum(shares)
+    order = sorted(range(len(speeds)), key=lambda i: (-(exact[i] - shares[i]), -speeds[i], i))
+    for i in order[:left]:
+        shares[i] += 1
+    return shares
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What the actors of one role need and how much they matter."""
+
+    name: str
+    """Role name, unique within a job (e.g. ``rollout_worker``)."""
+    resources: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    """Ray resources one actor reserves (``CPU``, ``GPU``, ``memory`` in bytes, custom)."""
+    count: int | None = None
+    """Fixed number of actors. Leave None and set ``min_count``/``max_count`` for an elastic role."""
+    min_count: int | None = None
+    """Fewest actors the job can run with (elastic roles)."""
+    max_count: int | None = None
+    """Most actors worth starting (elastic roles)."""
+    stateful: bool = False
+    """True when the actor holds state that must not be lost (prefers on-demand nodes)."""
+    accelerator: Literal["none", "prefer", "require"] = "none"
+    """``prefer``: take one GPU where a node has one free, else run on CPU. ``require``: GPU nodes only."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a role needs a non-empty name")
+        for key, value in self.resources.items():
+            if value < 0:
+                raise ValueError(f"role {self.name!r}: resource {key} must be >= 0, got {value}")
+        if self.count is not None:
+            if self.count < 1:
+                raise ValueError(f"role {self.name!r}: count must be >= 1, got {self.count}")
+            if self.min_count is not None or self.max_count is not None:
+                raise ValueError(f"role {self.name!r}: give either count or min_count/max_count, not both")
+        else:
+            lo, hi = self.min_count, self.max_count
+            if lo is None or hi is None:
+                raise ValueError(f"role {self.name!r}: give count, or both min_count and max_count")
+            if lo < 1 or hi < lo:
+                raise ValueError(f"role {self.name!r}: need 1 <= min_count <= max_count, got min_count={lo}, max_count={hi}")
+        if self.accelerator not in ("none", "prefer", "require"):
+            raise ValueError(f"role {self.name!r}: accelerator must be 'none', 'prefer' or 'require', got {self.accelerator!r}")
+
+    @property
+    def lo(self) -> int:
+        return self.count if self.count is not None else int(self.min_count)  # type: ignore[arg-type]
+
+    @property
+    def hi(self) -> int:
+        return self.count if self.count is not None else int(self.max_count)  # type: ignore[arg-type]
+
+    @property
+    def preferred_market(self) -> str:
+        return ON_DEMAND if self.stateful else SPOT
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One actor of a role placed on one node, and why there."""
+
+    role: str
+    index: int
+    node_id: str
+    market: str
+    resources: Mapping[str, float]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every role's actors assigned to nodes. ``ray_options`` turns an entry into Ray options."""
+
+    assignments: tuple[Assignment, ...]
+
+    def for_role(self, role: str) -> list[Assignment]:
+        return [a for a in self.assignments if a.role == role]
+
+    def count(self, role: str) -> int:
+        return len(self.for_role(role))
+
+    def explain(self) -> str:
+        lines = []
+        for a in self.assignments:
+            lines.append(f"{a.role}[{a.index}] -> {a.node_id[:8]} ({a.market}): {a.reason}")
+        return "\n".join(lines)
+
+
+def _fits(free: Mapping[str, float], need: Mapping[str, float]) -> bool:
+    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
+
+
+def _take(free: dict[str, float], need: Mapping[str, float]) -> None:
+    for k, v in need.items():
+        free[k] = free.get(k, 0.0) - v
+
+
+def _needs_for(role: RoleSpec, node: NodeInfo, free: Mapping[str, float]) -> dict[str, float] | None:
+    """The resources one actor of ``role`` takes on ``node``, or None if it cannot go there."""
+    need = dict(role.resources)
+    if role.accelerator == "require":
+        need["GPU"] = max(need.get("GPU", 0.0), 1.0)
+    elif role.accelerator == "prefer" and free.get("GPU", 0.0) >= 1.0:
+        need["GPU"] = max(need.get("GPU", 0.0), 1.0)
+    return need if _fits(free, need) else None
+
+
+def _pick(role: RoleSpec, candidates: list[NodeInfo], free: dict[str, dict[str, float]], placed: Counter) -> tuple[NodeInfo, dict[str, float]] | None:
+    """Among nodes that fit, spread in proportion to speed: lowest (placed / speed) first."""
+    best = None
+    for node in candidates:
+        need = _needs_for(role, node, free[node.node_id])
+        if need is None:
+            continue
+        gpu_bonus = 0 if (role.accelerator == "prefer" and need.get("GPU", 0) > 0) else 1
+        key = (gpu_bonus, placed[node.node_id] / max(node.speed, 1e-9), -node.speed, node.node_id)
+        if best is None or key < best[0]:
+            best = (key, node, need)
+    return None if best is None else (best[1], best[2])
+
+
+def _assign(role: RoleSpec, usable: Sequence[NodeInfo], free: dict[str, dict[str, float]], want: int, lo: int, placed: Counter) -> list[tuple[NodeInfo, dict[str, float], str]]:
+    """Place ``want`` actors of ``role`` (at least ``lo``) into ``free``, which is updated."""
+    preferred = [n for n in usable if n.market == role.preferred_market]
+    other = [n for n in usable if n.market != role.preferred_market]
+    out = []
+    for i in range(want):
+        pick = _pick(role, preferred, free, placed)
+        reason = f"{'stateful' if role.stateful else 'stateless'} role prefers {role.preferred_market}"
+        if pick is None:
+            pick = _pick(role, other, free, placed)
+            if pick is not None:
+                where = "no" if not preferred else "no room on"
+                reason = f"fallback: {where} {role.preferred_market} nodes for {_fmt(role.resources)}"
+        if pick is None:
+            if i >= lo:
+                break  # an elastic role takes what fits above its minimum
+            raise PlacementError(_no_room(role, i, usable, free))
+        node, need = pick
+        _take(free[node.node_id], need)
+        placed[node.node_id] += 1
+        if need.get("GPU", 0) > 0 and role.accelerator == "prefer":
+            reason += "; GPU free on this node"
+        out.append((node, need, reason))
+    return out
+
+
+def plan(roles: Sequence[RoleSpec], cluster: ClusterView, counts: Mapping[str, int] | None = None) -> Plan:
+    """Assign every role's actors to nodes.
+
+    Stateful roles are placed first (they are the ones that must not land on spot
+    capacity by accident). ``counts`` overrides the number of actors per role (e.g. a
+    pool's current target); elastic roles otherwise get as many as fit up to
+    ``max_count``. Within a market, actors spread in proportion to node speed. Draining
+    and dead nodes are never used.
+
+    Raises :class:`PlacementError` naming the role, what one actor needs and what each
+    node has free, when fewer than the required actors fit.
+    """
+    names = [r.name for r in roles]
+    dupes = [n for n, c in Counter(names).items() if c > 1]
+    if dupes:
+        raise PlacementError(f"role names must be unique, got duplicates {dupes}")
+    counts = dict(counts or {})
+    unknown = set(counts) - set(names)
+    if unknown:
+        raise PlacementError(f"counts name unknown roles {sorted(unknown)}; roles are {names}")
+    usable = [n for n in cluster.nodes if n.alive and not n.draining]
+    free = {n.node_id: dict(n.available) for n in usable}
+    out: list[Assignment] = []
+    for role in sorted(roles, key=lambda r: (not r.stateful, names.index(r.name))):
+        want = counts.get(role.name, role.hi)
+        if want < role.lo or want > role.hi:
+            raise PlacementError(f"role {role.name!r}: asked for {want} actors, allowed {role.lo}..{role.hi}")
+        for i, (node, need, reason) in enumerate(_assign(role, usable, free, want, role.lo, Counter())):
+            out.append(Assignment(role.name, i, node.node_id, node.market, need, reason))
+    return Plan(tuple(out))
+
+
+def place_more(
+    role: RoleSpec,
+    cluster: ClusterView,
+    n: int,
+    *,
+    avoid: Sequence[str] = (),
+    existing: Mapping[str, int] | None = None,
+    reserved: Mapping[str, Mapping[str, float]] | None = None,
+) -> list[Assignment]:
+    """Where ``n`` more actors of a running role should go (pools use this to replace and grow).
+
+    ``existing`` counts the role's live actors per node, so new ones keep the spread in
+    proportion to speed; ``reserved`` holds resources of actors that were started but
+    may not show in the snapshot yet. Nodes in ``avoid`` (e.g. where an actor just died)
+    are used only if nothing else fits. Returns as many as fit (at least one, else
+    :class:`PlacementError`).
+    """
+    usable = [node for node in cluster.nodes if node.alive and not node.draining]
+    preferred_nodes = [node for node in usable if node.node_id not in set(avoid)]
+    out: list[Assignment] = []
+    for nodes in (preferred_nodes, usable):
+        free = {node.node_id: dict(node.available) for node in nodes}
+        for nid, res in (reserved or {}).items():
+            if nid in free:
+                _take(free[nid], res)
+        try:
+            picks = _assign(role, nodes, free, n, 1, Counter(existing or {}))
+        except PlacementError:
+            if nodes is usable or len(preferred_nodes) == len(usable):
+                raise
+            continue
+        for i, (node, need, reason) in enumerate(picks):
+            out.append(Assignment(role.name, i, node.node_id, node.market, need, reason))
+        return out
+    return out
+
+
+def place_one(role: RoleSpec, cluster: ClusterView, avoid: Sequence[str] = ()) -> Assignment:
+    """Where a single replacement actor of ``role`` should go now."""
+    return place_more(role, cluster, 1, avoid=avoid)[0]
+
+
+def capacity(role: RoleSpec, cluster: ClusterView) -> int:
+    """How many actors of ``role`` the cluster's free resources hold right now (any market)."""
+    total = 0
+    for node in cluster.nodes:
+        if not node.alive or node.draining:
+            continue
+        free = dict(node.available)
+        while (need := _needs_for(role, node, free)) is not None and total < 10_000:
+            if not any(v > 0 for v in need.values()):
+                return 10_000  # a role that reserves nothing is never capacity-bound
+            _take(free, need)
+            total += 1
+    return total
+
+
+def _fmt(res: Mapping[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if v) or "nothing"
+
+
+def _no_room(role: RoleSpec, placed: int, nodes: Sequence[NodeInfo], free: Mapping[str, Mapping[str, float]]) -> str:
+    need = dict(role.resources)
+    if role.accelerator == "require":
+        need["GPU"] = max(need.get("GPU", 0.0), 1.0)
+    lines = [
+        f"role {role.name!r} needs {role.lo} actor(s) of {{{_fmt(need)}}} but only {placed} fit.",
+    ]
+    if not nodes:
+        lines.append("No alive, non-draining nodes in the cluster.")
+    for n in nodes:
+        missing = {k: v - free[n.node_id].get(k, 0.0) for k, v in need.items() if free[n.node_id].get(k, 0.0) + 1e-9 < v}
+        lines.append(f"  node {n.node_id[:8]} ({n.market}) free {{{_fmt(free[n.node_id])}}}, missing {{{_fmt(missing)}}}")
+    lines.append("Add nodes with those resources, lower the role's per-actor resources, or lower its count.")
+    return "\n".join(lines)
+
+
+def ray_options(assignment: Assignment, *, soft: bool = True) -> dict:
+    """Ray ``.options(...)`` for one assigned actor.
+
+    The node affinity is soft by default: if the node went away between planning and
+    scheduling, Ray may place the actor elsewhere rather than leaving it pending.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    res = dict(assignment.resources)
+    opts: dict = {
+        "num_cpus": res.pop("CPU", 0.0),
+        "num_gpus": res.pop("GPU", 0.0),
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=assignment.node_id, soft=soft),
+    }
+    if "memory" in res:
+        opts["memory"] = res.pop("memory")
+    if res:
+        opts["resources"] = res
+    return opts

@@ -1,0 +1,157 @@
+"""The driver's decisions as small policies over frozen status data. No Ray here.
+
+* :class:`FailurePolicy`: after a failure, recover or give up.
+* :class:`CheckpointPolicy`: checkpoint now, and why.
+* :class:`ScalingPolicy`: target pool sizes as nodes join and leave.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure the driver saw: which role, which actor, what it said, at which step."""
+
+    role: str
+    actor: str
+    message: str
+    step: int
+    at: float
+
+
+def group_errors(failures: Sequence[Failure]) -> str:
+    """One paragraph per distinct error message, naming the actors that raised it.
+
+    >>> print(group_errors([Failure("w", "#1", "boom", 3, 0.0), Failure("w", "#2", "boom", 3, 0.0)]))
+    2x from w #1, w #2:
+      boom
+    """
+    groups: dict[str, list[str]] = {}
+    for f in failures:
+        groups.setdefault(f.message.strip(), []).append(f"{f.role} {f.actor}")
+    parts = []
+    for message, who in groups.items():
+        indented = "\n".join("  " + line for line in message.splitlines()[:30])
+        parts.append(f"{len(who)}x from {', '.join(who)}:\n{indented}")
+    return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "recover" or "fail"
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """Recover until a role has failed more than its budget, then fail the run."""
+
+    max_failures: int = 3
+    """Failures (of any role) the run survives in total."""
+    per_role: Mapping[str, int] = field(default_factory=dict)
+    """Tighter budgets for some roles, e.g. ``{"learner": 1}``."""
+
+    def __post_init__(self) -> None:
+        if self.max_failures < 0:
+            raise ValueError(f"max_failures must be >= 0, got {self.max_failures}")
+        for role, n in self.per_role.items():
+            if n < 0:
+                raise ValueError(f"per_role[{role!r}] must be >= 0, got {n}")
+
+    def decide(self, failures: Sequence[Failure], *, recoverable: bool = True) -> Decision:
+        if not failures:
+            return Decision("recover", "no failures")
+        last = failures[-1]
+        if not recoverable:
+            return Decision("fail", f"not recoverable: {last.message.splitlines()[0] if last.message else '?'}")
+        if len(failures) > self.max_failures:
+            return Decision("fail", f"{len(failures)} failures exceed max_failures={self.max_failures}:\n{group_errors(failures)}")
+        for role, budget in self.per_role.items():
+            n = sum(1 for f in failures if f.role == role)
+            if n > budget:
+                return Decision("fail", f"role {role!r} failed {n} times, budget {budget}:\n{group_errors([f for f in failures if f.role == role])}")
+        return Decision("recover", f"failure {len(failures)} of at most {self.max_failures}")
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    step: int
+    last_step: int | None
+    last_time: float
+    now: float
+    notice: bool = False  # a node holding stateful actors got a preemption notice
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Checkpoint every N steps, every T seconds, at once on a preemption notice, and at the end."""
+
+    every_steps: int = 10
+    """Steps between checkpoints; 0 turns step-based checkpoints off."""
+    every_s: float = 0.0
+    """Seconds between checkpoints; 0 turns time-based checkpoints off."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0 or not (self.every_s >= 0 and math.isfinite(self.every_s)):
+            raise ValueError(f"every_steps and every_s must be >= 0, got {self.every_steps}, {self.every_s}")
+
+    def decide(self, s: CheckpointStatus) -> tuple[bool, str]:
+        if s.last_step == s.step:
+            return False, "already saved at this step"
+        if s.notice:
+            return True, "preemption notice for a node with stateful actors"
+        if s.final:
+            return True, "run finished"
+        if self.every_steps and s.step % self.every_steps == 0:
+            return True, f"every {self.every_steps} steps"
+        if self.every_s and s.now - s.last_time >= self.every_s:
+            return True, f"{s.now - s.last_time:.0f} s since the last checkpoint"
+        return False, ""
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the scaling policy needs to know about one pool."""
+
+    role: str
+    target: int
+    live: int
+    lo: int
+    hi: int
+    fits_more: int  # actors of this role the cluster's free resources hold now
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """Grow elastic pools into capacity that appears, shrink them to what survives.
+
+    Fixed-size roles (lo == hi) are left alone: their size is part of the job's maths.
+    """
+
+    grow: bool = True
+    """Grow pools when free capacity appears (nodes joined)."""
+
+    def targets(self, pools: Sequence[PoolView], lost: Mapping[str, int] | None = None) -> dict[str, int]:
+        """New targets for pools whose target should change.
+
+        ``lost[role]`` is how many of the role's actors sit on nodes that left and have
+        no room elsewhere; the target drops by that much, but never below ``lo``.
+        """
+        lost = lost or {}
+        out = {}
+        for p in pools:
+            if p.lo == p.hi:
+                continue
+            target = p.target
+            if lost.get(p.role):
+                target = max(p.lo, target - lost[p.role])
+            elif self.grow and p.fits_more > 0 and target < p.hi:
+                target = min(p.hi, target + p.fits_more)
+            if target != p.target:
+                out[p.role] = target
+        return out

@@ -1,0 +1,619 @@
+"""Elastic actor pools: the actors of one role, kept at a target size.
+
+A pool lives in the driver process and owns its actors (they are created with
+``max_restarts=0``: the pool, not Ray, decides where a replacement goes). Work is
+submitted as tickets; each ticket runs on one actor at a time and its result is
+recorded exactly once. When an actor dies (its process killed, its node removed) the
+pool evicts it, starts a replacement on a node that fits the role now, and puts the
+dead actor's in-flight ticket back in the queue (or reports it lost, for tickets
+submitted with ``retry=False``). The other actors keep working throughout.
+
+No wait is unbounded: each call has ``call_timeout_s`` and each gather a deadline,
+and both raise errors that name the actor, its node and the method.
+
+Example::
+
+    pool = ActorPool(RoleSpec("worker", count=2), Worker, actor_args=lambda k: ((k,), {}))
+    squares = pool.map("square", [1, 2, 3, 4], timeout_s=60)
+    pool.call_all("set_weights", weights_ref, sticky=True)   # replayed on every new actor
+    pool.resize(4)
+    pool.shutdown()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import ray
+from ray.exceptions import (
+    GetTimeoutError,
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
+
+from raylane.placement import PlacementError, RoleSpec, place_more, ray_options
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "the actor (or its node) is gone", as opposed to a bug in the method.
+LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError)
+
+
+class PoolError(RuntimeError):
+    """The pool cannot finish the work asked of it; the message says why and what to change."""
+
+
+class CallTimeoutError(PoolError, TimeoutError):
+    """An actor call ran past its timeout. Names the actor, its node, the method and the wait."""
+
+
+class WorkError(PoolError):
+    """An actor method raised. Identical errors are grouped with the actors that raised them."""
+
+    def __init__(self, method: str, errors: dict[str, list[str]]):
+        self.errors = errors
+        parts = [f"{len(actors)} call(s) of {method!r} on {', '.join(actors)} raised:\n{msg}" for msg, actors in errors.items()]
+        super().__init__("\n".join(parts))
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """An actor that left the pool, and why."""
+
+    at: float
+    actor: str
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """Plain status data for policies and the ``raylane pools`` command."""
+
+    role: str
+    target: int
+    live: int
+    starting: int
+    nodes: dict[str, int]
+    markets: dict[str, int]
+    busy_fraction: float
+    evictions: tuple[Eviction, ...]
+    placement_error: str | None
+
+
+@dataclass
+class _Member:
+    key: int
+    handle: Any
+    node_id: str
+    market: str
+    created: float
+    ready_ref: Any = None
+    ready: bool = False
+    retiring: bool = False
+    ticket: int | None = None
+    ref: Any = None
+    call_started: float = 0.0
+    busy_s: float = 0.0
+    resources: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"#{self.key}@{self.node_id[:8]}"
+
+
+@dataclass
+class _Ticket:
+    id: int
+    method: str
+    args: tuple
+    kwargs: dict
+    retry: bool
+    attempts: int = 0
+    done: bool = False
+    lost: str | None = None
+    result: Any = None
+    error: str | None = None
+    actor: str | None = None
+
+
+Placer = Callable[..., list[tuple[dict, str, str]]]
+
+
+def default_placer(role: RoleSpec, n: int, *, avoid: Sequence[str], existing: dict[str, int], reserved: dict[str, dict[str, float]]) -> list[tuple[dict, str, str]]:
+    """Place ``n`` more actors on the cluster as it is now: ``(ray options, node id, market)`` each."""
+    from raylane.cluster import ClusterView
+
+    picks = place_more(role, ClusterView.from_ray(), n, avoid=avoid, existing=existing, reserved=reserved)
+    return [(ray_options(a), a.node_id, a.market) for a in picks]
+
+
+class ActorPool:
+    """The actors of one role; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        role: RoleSpec,
+        actor_cls: Any,
+        *,
+        actor_args: Callable[[int], tuple[tuple, dict]] | None = None,
+        size: int | None = None,
+        placer: Placer | None = None,
+        call_timeout_s: float = 300.0,
+        on_timeout: str = "raise",
+        max_attempts: int = 3,
+        max_start_failures: int = 3,
+    ):
+        """Start ``size`` actors (default: the role's ``hi``) of ``actor_cls`` (a ``ray.remote`` class).
+
+        ``actor_args(key)`` gives each actor's constructor ``(args, kwargs)``; ``key`` is
+        a number unique within the pool, so replacements get fresh seeds. ``on_timeout``
+        is ``raise`` (kill the stuck actor and raise :class:`CallTimeoutError`) or
+        ``retry`` (kill it and run the ticket elsewhere, up to ``max_attempts``).
+        """
+        if on_timeout not in ("raise", "retry"):
+            raise ValueError(f"on_timeout must be 'raise' or 'retry', got {on_timeout!r}")
+        if call_timeout_s <= 0:
+            raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.role = role
+        self._cls = actor_cls
+        self._args = actor_args or (lambda key: ((), {}))
+        self._placer = placer or default_placer
+        self.call_timeout_s = call_timeout_s
+        self.on_timeout = on_timeout
+        self.max_attempts = max_attempts
+        self.max_start_failures = max_start_failures
+        self._lock = threading.RLock()
+        self._keys = itertools.count()
+        self._tickets_ids = itertools.count()
+        self._members: dict[int, _Member] = {}
+        self._tickets: dict[int, _Ticket] = {}
+        self._queue: deque[int] = deque()
+        self._sticky: dict[str, tuple[tuple, dict]] = {}
+        self._evictions: deque[Eviction] = deque(maxlen=50)
+        self._recent_dead_nodes: dict[str, float] = {}
+        self._start_failures = 0
+        self._last_start_error: str | None = None
+        self._placement_error: str | None = None
+        self._last_place_try = 0.0
+        self._closed = False
+        target = role.hi if size is None else size
+        self._check_size(target)
+        self.target = target
+        self._fill()
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def size(self) -> int:
+        """Live actors (ready or starting), not counting those being retired."""
+        with self._lock:
+            return sum(1 for m in self._members.values() if not m.retiring)
+
+    def actors(self) -> list[Any]:
+        """Handles of the live, ready actors."""
+        with self._lock:
+            return [m.handle for m in self._members.values() if m.ready and not m.retiring]
+
+    def submit(self, method: str, *args: Any, retry: bool = True, **kwargs: Any) -> int:
+        """Queue one call of ``method``; returns a ticket for :meth:`gather`.
+
+        >>> t = pool.submit("square", 3); pool.gather([t], timeout_s=30)[t]
+        9
+        """
+        with self._lock:
+            self._check_open()
+            tid = next(self._tickets_ids)
+            self._tickets[tid] = _Ticket(tid, method, args, kwargs, retry)
+            self._queue.append(tid)
+            return tid
+
+    def gather(self, tickets: Iterable[int], *, timeout_s: float, partial: bool = False) -> dict[int, Any]:
+        """Wait for ``tickets``; returns {ticket: result}.
+
+        With ``partial=False`` every ticket must finish by the deadline, else
+        :class:`CallTimeoutError` names the unfinished calls. With ``partial=True`` the
+        call returns at the deadline (or once nothing is left to wait for) with the
+        tickets that finished; :meth:`lost` tells which were given up.
+        """
+        tickets = list(tickets)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pending = [t for t in tickets if not self._tickets[t].done and self._tickets[t].lost is None]
+                errors = [self._tickets[t] for t in tickets if self._tickets[t].error is not None]
+            if errors:
+                with self._lock:
+                    # Drop what has not started; let running calls finish so that every
+                    # actor that hits the same bug is named in one grouped error.
+                    for t in pending:
+                        if t in self._queue:
+                            self._queue.remove(t)
+                            self._tickets[t].lost = "dropped after an error"
+                    running = {m.ticket for m in self._members.values()} & set(pending)
+                if not running or time.monotonic() >= deadline:
+                    grouped: dict[str, list[str]] = {}
+                    for t in errors:
+                        grouped.setdefault(t.error, []).append(t.actor or "?")
+                    self._forget(tickets)
+                    raise WorkError(errors[0].method, grouped)
+                self._pump(min(0.5, max(0.0, deadline - time.monotonic())))
+                continue
+            if not pending:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                if partial:
+                    break
+                msg = self._describe_pending(pending, timeout_s)
+                self._forget(tickets)
+                raise CallTimeoutError(msg)
+            self._pump(min(0.5, deadline - now))
+        with self._lock:
+            out = {t: self._tickets[t].result for t in tickets if self._tickets[t].done}
+            lost = [t for t in tickets if self._tickets[t].lost is not None]
+            if not partial and lost:
+                reasons = {self._tickets[t].lost for t in lost}
+                self._forget(tickets)
+                raise PoolError(f"{len(lost)} call(s) were lost with their actors: {'; '.join(sorted(reasons))}")
+            self._lost_last = lost
+            self._forget(tickets)
+            return out
+
+    def lost(self) -> list[int]:
+        """Tickets of the last partial gather that were given up (their actor died, retry=False)."""
+        return list(getattr(self, "_lost_last", []))
+
+    def map(self, method: str, items: Iterable[Any], *, timeout_s: float) -> list[Any]:
+        """Call ``method(item)`` for every item, spread over the actors; results in item order.
+
+        >>> pool.map("square", [1, 2, 3], timeout_s=30)
+        [1, 4, 9]
+        """
+        tickets = [self.submit(method, item) for item in items]
+        done = self.gather(tickets, timeout_s=timeout_s)
+        return [done[t] for t in tickets]
+
+    def call_all(self, method: str, *args: Any, timeout_s: float, sticky: bool = False, **kwargs: Any) -> list[Any]:
+        """Call ``method`` once on every live actor; results of the actors that answered.
+
+        ``sticky=True`` also replays the call on every actor started later (replacements,
+        growth), before it gets any other work; a newer sticky call of the same method
+        replaces the older one.
+
+        >>> pool.call_all("set_weights", ray.put(w), timeout_s=30, sticky=True)
+        """
+        with self._lock:
+            self._check_open()
+            if sticky:
+                self._sticky[method] = (args, kwargs)
+            members = [m for m in self._members.values() if not m.retiring and (m.ready or not sticky)]
+            refs = {m.key: getattr(m.handle, method).remote(*args, **kwargs) for m in members}
+        results = {}
+        deadline = time.monotonic() + timeout_s
+        for key, ref in refs.items():
+            try:
+                results[key] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except GetTimeoutError:
+                m = self._members.get(key)
+                raise CallTimeoutError(f"{method!r} on actor {m.name if m else key} of role {self.role.name!r} did not return within {timeout_s:.1f} s") from None
+            except LOST as exc:
+                self._evict(key, f"died during {method!r}: {type(exc).__name__}")
+            except RayTaskError as exc:
+                m = self._members.get(key)
+                raise WorkError(method, {_short(exc): [m.name if m else str(key)]}) from None
+        self._fill()
+        return [results[k] for k in refs if k in results]
+
+    def resize(self, n: int) -> None:
+        """Set the target size. Growth starts actors now; shrinking retires actors once
+        their in-flight call has finished, so no work is lost."""
+        with self._lock:
+            self._check_open()
+            self._check_size(n)
+            self.target = n
+            active = [m for m in self._members.values() if not m.retiring]
+            extra = len(active) - n
+            if extra > 0:
+                # Retire idle actors first, then spot before on-demand, newest first.
+                active.sort(key=lambda m: (m.ticket is not None, m.market != "spot", -m.key))
+                for m in active[:extra]:
+                    m.retiring = True
+            self._retire_idle()
+        self._fill()
+
+    def evacuate(self, node_id: str, reason: str = "node leaving") -> int:
+        """Start replacements for the actors on ``node_id`` elsewhere, then retire them
+        once their in-flight call is done. Returns how many actors were on the node."""
+        with self._lock:
+            moving = [m for m in self._members.values() if m.node_id == node_id and not m.retiring]
+            for m in moving:
+                m.retiring = True
+            self._recent_dead_nodes[node_id] = time.monotonic()
+            self._retire_idle(reason)
+        self._fill()
+        return len(moving)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until ``target`` actors are ready; raises naming the reason if not in time."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                ready = sum(1 for m in self._members.values() if m.ready and not m.retiring)
+            if ready >= self.target:
+                return
+            if time.monotonic() >= deadline:
+                raise CallTimeoutError(
+                    f"pool {self.role.name!r}: {ready} of {self.target} actors ready after {timeout_s:.1f} s"
+                    + (f"; placement: {self._placement_error}" if self._placement_error else "")
+                    + (f"; last start error: {self._last_start_error}" if self._last_start_error else "")
+                )
+            self._pump(min(0.5, max(0.01, deadline - time.monotonic())))
+
+    def status(self) -> PoolStatus:
+        with self._lock:
+            now = time.monotonic()
+            live = [m for m in self._members.values() if not m.retiring]
+            nodes: dict[str, int] = {}
+            markets: dict[str, int] = {}
+            busy, wall = 0.0, 0.0
+            for m in live:
+                nodes[m.node_id] = nodes.get(m.node_id, 0) + 1
+                markets[m.market] = markets.get(m.market, 0) + 1
+                busy += m.busy_s + (now - m.call_started if m.ticket is not None else 0.0)
+                wall += now - m.created
+            return PoolStatus(
+                role=self.role.name,
+                target=self.target,
+                live=sum(1 for m in live if m.ready),
+                starting=sum(1 for m in live if not m.ready),
+                nodes=nodes,
+                markets=markets,
+                busy_fraction=(busy / wall) if wall > 0 else 0.0,
+                evictions=tuple(self._evictions),
+                placement_error=self._placement_error,
+            )
+
+    def shutdown(self) -> None:
+        """Kill every actor; pending tickets are dropped."""
+        with self._lock:
+            self._closed = True
+            for m in self._members.values():
+                ray.kill(m.handle, no_restart=True)
+            self._members.clear()
+            self._queue.clear()
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolError(f"pool {self.role.name!r} is shut down")
+
+    def _check_size(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < self.role.lo or n > self.role.hi:
+            raise ValueError(f"pool {self.role.name!r}: size must be an integer in {self.role.lo}..{self.role.hi}, got {n!r}")
+
+    def _forget(self, tickets: Iterable[int]) -> None:
+        with self._lock:
+            for t in tickets:
+                tk = self._tickets.pop(t, None)
+                if tk is not None and not tk.done and tk.lost is None:
+                    try:
+                        self._queue.remove(t)
+                    except ValueError:
+                        pass
+
+    def _describe_pending(self, pending: list[int], waited: float) -> str:
+        lines = [f"pool {self.role.name!r}: {len(pending)} call(s) unfinished after {waited:.1f} s:"]
+        running = {m.ticket: m for m in self._members.values() if m.ticket is not None}
+        for t in pending[:10]:
+            tk = self._tickets[t]
+            m = running.get(t)
+            where = f"running on actor {m.name} for {time.monotonic() - m.call_started:.1f} s" if m else "queued, no free actor"
+            lines.append(f"  {tk.method!r} (ticket {t}): {where}")
+        if self._placement_error:
+            lines.append(f"  placement: {self._placement_error}")
+        return "\n".join(lines)
+
+    def _fill(self) -> None:
+        """Start actors until the non-retiring count reaches the target."""
+        with self._lock:
+            if self._closed:
+                return
+            missing = self.target - sum(1 for m in self._members.values() if not m.retiring)
+            if missing <= 0:
+                self._placement_error = None
+                return
+            if self._placement_error and time.monotonic() - self._last_place_try < 1.0:
+                return
+            now = time.monotonic()
+            self._last_place_try = now
+            avoid = [n for n, t in self._recent_dead_nodes.items() if now - t < 30.0]
+            existing: dict[str, int] = {}
+            reserved: dict[str, dict[str, float]] = {}
+            for m in self._members.values():
+                if m.retiring:
+                    continue
+                existing[m.node_id] = existing.get(m.node_id, 0) + 1
+                if not m.ready:  # may not show in the cluster's free resources yet
+                    res = reserved.setdefault(m.node_id, {})
+                    for k, v in m.resources.items():
+                        res[k] = res.get(k, 0.0) + v
+            try:
+                picks = self._placer(self.role, missing, avoid=avoid, existing=existing, reserved=reserved)
+            except PlacementError as exc:
+                self._placement_error = str(exc)
+                log.warning("pool %s: cannot place more actors yet: %s", self.role.name, exc)
+                return
+            self._placement_error = None if len(picks) == missing else f"only {len(picks)} of {missing} actors fit now"
+            for opts, node_id, market in picks:
+                key = next(self._keys)
+                args, kwargs = self._args(key)
+                handle = self._cls.options(max_restarts=0, max_task_retries=0, **opts).remote(*args, **kwargs)
+                m = _Member(key, handle, node_id, market, created=time.monotonic(), resources=_resources(opts))
+                ready_ref = handle.__ray_ready__.remote()
+                for method, (a, kw) in self._sticky.items():
+                    ready_ref = getattr(handle, method).remote(*a, **kw)
+                m.ready_ref = ready_ref
+                self._members[key] = m
+
+    def _retire_idle(self, reason: str = "pool shrunk") -> None:
+        for m in list(self._members.values()):
+            if m.retiring and m.ticket is None:
+                ray.kill(m.handle, no_restart=True)
+                del self._members[m.key]
+                self._evictions.append(Eviction(time.time(), m.name, m.node_id, reason))
+
+    def _evict(self, key: int, reason: str) -> None:
+        with self._lock:
+            m = self._members.pop(key, None)
+            if m is None:
+                return
+            log.warning("pool %s: evicting actor %s: %s", self.role.name, m.name, reason)
+            self._evictions.append(Eviction(time.time(), m.name, m.node_id, reason))
+            self._recent_dead_nodes[m.node_id] = time.monotonic()
+            if not m.ready:
+                self._start_failures += 1
+                self._last_start_error = reason
+            try:
+                ray.kill(m.handle, no_restart=True)
+            except Exception:  # already gone
+                pass
+            if m.ticket is not None:
+                tk = self._tickets.get(m.ticket)
+                if tk is not None and not tk.done:
+                    if tk.retry and tk.attempts < self.max_attempts:
+                        self._queue.appendleft(tk.id)
+                    else:
+                        tk.lost = f"{tk.method!r} on {m.name}: {reason}"
+
+    def _dispatch(self) -> None:
+        idle = [m for m in self._members.values() if m.ready and not m.retiring and m.ticket is None]
+        idle.sort(key=lambda m: m.key)
+        while idle and self._queue:
+            tid = self._queue.popleft()
+            tk = self._tickets.get(tid)
+            if tk is None or tk.done:
+                continue
+            m = idle.pop(0)
+            tk.attempts += 1
+            tk.actor = m.name
+            m.ticket = tid
+            m.call_started = time.monotonic()
+            m.ref = getattr(m.handle, tk.method).remote(*tk.args, **tk.kwargs)
+
+    def _pump(self, wait_s: float) -> None:
+        """One round: replace, dispatch, wait a little for anything to finish, handle it."""
+        if self._start_failures >= self.max_start_failures:
+            raise PoolError(
+                f"pool {self.role.name!r}: {self._start_failures} actors died before becoming ready; "
+                f"last error: {self._last_start_error}"
+            )
+        self._fill()
+        with self._lock:
+            self._retire_idle()
+            self._dispatch()
+            watch = {}
+            for m in self._members.values():
+                if not m.ready:
+                    watch[m.ready_ref] = (m.key, "ready")
+                elif m.ref is not None:
+                    watch[m.ref] = (m.key, "call")
+        if not watch:
+            time.sleep(min(wait_s, 0.2))
+            return
+        refs = list(watch)
+        done, rest = ray.wait(refs, num_returns=1, timeout=max(wait_s, 0.0), fetch_local=False)
+        if done and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0, fetch_local=False)
+            done += more
+        for ref in done:
+            key, kind = watch[ref]
+            self._handle(key, kind, ref)
+        self._check_timeouts()
+
+    def _handle(self, key: int, kind: str, ref: Any) -> None:
+        try:
+            value = ray.get(ref, timeout=self.call_timeout_s)
+            failure = None
+        except LOST as exc:
+            failure = ("lost", exc)
+        except RayTaskError as exc:
+            failure = ("error", exc)
+        with self._lock:
+            m = self._members.get(key)
+            if m is None:
+                return
+            if kind == "ready":
+                if failure is None:
+                    m.ready = True
+                    self._start_failures = 0
+                elif failure[0] == "lost":
+                    self._evict(key, f"died while starting: {_short(failure[1])}")
+                else:
+                    self._evict(key, f"sticky call failed while starting: {_short(failure[1])}")
+                    self._start_failures += 1
+                return
+            tk = self._tickets.get(m.ticket) if m.ticket is not None else None
+            if failure is not None and failure[0] == "lost":
+                self._evict(key, f"died during {tk.method if tk else 'a call'!r}: {type(failure[1]).__name__}")
+                return
+            m.busy_s += time.monotonic() - m.call_started
+            m.ticket, m.ref = None, None
+            if tk is None or tk.done:
+                return  # forgotten ticket (its gather gave up)
+            if failure is None:
+                tk.done, tk.result = True, value
+            else:
+                tk.error = _short(failure[1])
+            if m.retiring:
+                self._retire_idle()
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stuck = [m for m in self._members.values() if m.ticket is not None and now - m.call_started > self.call_timeout_s]
+            for m in stuck:
+                tk = self._tickets.get(m.ticket)
+                what = f"{tk.method!r}" if tk else "a call"
+                msg = (
+                    f"pool {self.role.name!r}: {what} on actor {m.name} (node {m.node_id[:8]}) did not return "
+                    f"within call_timeout_s={self.call_timeout_s:g} s; the actor was killed and replaced"
+                )
+                if tk is not None and self.on_timeout == "raise":
+                    tk.lost = msg
+                    m.ticket = None
+                    self._evict(m.key, "call timed out")
+                    raise CallTimeoutError(msg)
+                self._evict(m.key, "call timed out")
+
+
+def _resources(opts: dict) -> dict[str, float]:
+    res = {"CPU": float(opts.get("num_cpus", 0.0)), "GPU": float(opts.get("num_gpus", 0.0))}
+    res.update(opts.get("resources", {}))
+    return {k: v for k, v in res.items() if v}
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _short(exc: BaseException) -> str:
+    """The error without Ray's per-process header, so equal errors compare equal."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, RayTaskError) and isinstance(cause, BaseException):
+        text = f"{type(cause).__name__}: {cause}"
+    else:
+        text = _ANSI.sub("", str(exc)).strip()
+    return text if len(text) < 2000 else text[:2000] + " ..."

@@ -1,0 +1,124 @@
+"""Everything raylane reads from or asks of Ray's control plane, in one module.
+
+Some of what the platform needs has no stable public API in Ray 2.60: a node's
+draining status lives in the autoscaler's resource state, and draining a node is a
+GCS client call. Keeping those calls here means a Ray upgrade touches one file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+KV_NAMESPACE = "raylane"
+
+
+@dataclass(frozen=True)
+class RawNode:
+    """One row of Ray's node table merged with the autoscaler's view of it."""
+
+    node_id: str
+    address: str
+    alive: bool
+    draining: bool
+    is_head: bool
+    labels: dict[str, str]
+    total: dict[str, float]
+    available: dict[str, float]
+
+
+def _gcs_client():
+    return ray._private.worker.global_worker.gcs_client
+
+
+def gcs_address() -> str:
+    return ray.get_runtime_context().gcs_address
+
+
+def nodes() -> list[RawNode]:
+    """Every node Ray knows (alive and dead), with draining status and free resources."""
+    from ray.autoscaler.v2.sdk import get_cluster_resource_state
+    from ray.core.generated import autoscaler_pb2
+
+    state = {}
+    try:
+        resource_state = get_cluster_resource_state(_gcs_client())
+        for ns in resource_state.node_states:
+            state[ns.node_id.hex()] = ns
+    except Exception:  # the autoscaler state is an optimisation; the node table is the truth
+        state = {}
+    out = []
+    for n in ray.nodes():
+        nid = n["NodeID"]
+        ns = state.get(nid)
+        draining = bool(ns is not None and ns.status == autoscaler_pb2.NodeStatus.DRAINING)
+        total = {k: float(v) for k, v in n.get("Resources", {}).items()}
+        if ns is not None and n["Alive"]:
+            available = {k: float(v) for k, v in ns.available_resources.items()}
+        else:
+            available = dict(total) if n["Alive"] else {}
+        out.append(
+            RawNode(
+                node_id=nid,
+                address=n.get("NodeManagerAddress", ""),
+                alive=bool(n["Alive"]),
+                draining=draining,
+                is_head="node:__internal_head__" in total,
+                labels=dict(n.get("Labels", {})),
+                total=total,
+                available=available,
+            )
+        )
+    return out
+
+
+def kv_get(key: str) -> Any | None:
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    return None if raw is None else json.loads(raw)
+
+
+def kv_put(key: str, value: Any) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, json.dumps(value), overwrite=True, namespace=KV_NAMESPACE)
+
+
+def kv_del(key: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+
+
+def drain_node(node_id: str, deadline_s: float | None, reason: str = "preemption", message: str = "") -> None:
+    """Ask Ray to drain ``node_id``: no new work is scheduled there.
+
+    ``deadline_s`` is how long until the node goes away. Ray itself keeps no readable
+    record of the deadline, so it is also written to the KV store where the preemption
+    monitor reads it. Raises RuntimeError if Ray rejects the request.
+    """
+    from ray.core.generated import autoscaler_pb2
+
+    reasons = {
+        "preemption": "DRAIN_NODE_REASON_PREEMPTION",
+        "idle": "DRAIN_NODE_REASON_IDLE_TERMINATION",
+    }
+    if reason not in reasons:
+        raise ValueError(f"drain reason must be one of {sorted(reasons)}, got {reason!r}")
+    deadline_at = None if deadline_s is None else time.time() + deadline_s
+    kv_put(f"drain:{node_id}", {"deadline": deadline_at, "reason": reason, "message": message})
+    deadline_ms = 0 if deadline_at is None else int(deadline_at * 1000)
+    accepted, why = _gcs_client().drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value(reasons[reason]), message or reason, deadline_ms
+    )
+    if not accepted:
+        raise RuntimeError(f"Ray rejected draining node {node_id}: {why}")
+
+
+def drain_record(node_id: str) -> dict | None:
+    return kv_get(f"drain:{node_id}")

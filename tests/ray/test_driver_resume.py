@@ -1,0 +1,73 @@
+"""A driver process killed with SIGKILL mid-run resumes at its last checkpoint.
+
+Each run is a real `python -m raylane run linreg` process with its own embedded Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raylane.checkpoint import CheckpointStore
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+ARGS = ["--set", "rows=400000", "--set", "driver.max_steps=120", "--set", "driver.checkpoint_every_steps=5", "--set", "lr=0.05", "--no-progress"]
+
+
+def launch(tmp_path: Path, name: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "raylane", "run", "linreg", "--run-name", name, "--set", f"driver.runs_dir={tmp_path}", *ARGS]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 200) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = [l for l in path.read_text().splitlines() if l.strip()]
+    return len(lines)
+
+
+def test_sigkilled_driver_resumes_at_last_checkpoint_and_matches_uninterrupted_run(tmp_path):
+    reference = launch(tmp_path, "reference")
+    finish(reference)
+
+    victim = launch(tmp_path, "victim")
+    run_dir = tmp_path / "victim"
+    deadline = time.time() + 150
+    while time.time() < deadline and steps_logged(run_dir) < 17:
+        assert victim.poll() is None, victim.stdout.read()
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)  # the driver and anything it started in its session
+    victim.wait(timeout=30)
+    killed_at = steps_logged(run_dir)
+    assert 17 <= killed_at < 120, f"the kill must land mid-run, landed at step {killed_at}"
+    last = CheckpointStore(str(run_dir / "checkpoints")).latest()
+    assert last is not None and last.step % 5 == 0 and last.step <= killed_at
+
+    out = finish(launch(tmp_path, "victim"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == last.step, out
+    assert summary["state"] == "finished" and summary["steps"] == 120
+    resume_events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines() if '"resume"' in l]
+    assert [e["step"] for e in resume_events] == [last.step]
+
+    _, ref_state = CheckpointStore(str(tmp_path / "reference" / "checkpoints")).load()
+    _, got_state = CheckpointStore(str(run_dir / "checkpoints")).load()
+    # Gradients are summed in shard order, so the resumed run ends bit-for-bit equal.
+    assert np.array_equal(ref_state["workload"]["w"], got_state["workload"]["w"])
+    assert json.loads((tmp_path / "reference" / "summary.json").read_text())["final_metrics"]["loss"] == summary["final_metrics"]["loss"]

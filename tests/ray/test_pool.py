@@ -1,0 +1,164 @@
+"""Elastic pool on one local Ray: faults, timeouts, resizing, sticky calls."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from raylane.placement import RoleSpec
+from raylane.pool import ActorPool, CallTimeoutError, PoolError, WorkError
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+
+
+@ray.remote
+class Worker:
+    def __init__(self, key: int):
+        self.key = key
+        self.weights = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def square(self, x: int, delay: float = 0.1) -> tuple[int, int]:
+        time.sleep(delay)
+        return x * x, self.key
+
+    def set_weights(self, w) -> int:
+        self.weights = w
+        return self.key
+
+    def get_weights(self):
+        return self.weights
+
+    def hang(self) -> None:
+        time.sleep(3600)
+
+    def fail(self, x: int) -> None:
+        raise ValueError(f"bad item {x}")
+
+
+def make_pool(n=3, lo=1, hi=4, **kw) -> ActorPool:
+    pool = ActorPool(RoleSpec("worker", {"CPU": 0.5}, min_count=lo, max_count=hi), Worker, actor_args=lambda k: ((k,), {}), size=n, **kw)
+    pool.wait_ready(timeout_s=60)
+    return pool
+
+
+def test_map_returns_results_in_order(ray_local):
+    pool = make_pool(2)
+    try:
+        out = pool.map("square", range(7), timeout_s=60)
+        assert [r for r, _ in out] == [i * i for i in range(7)]
+        assert {k for _, k in out} == {0, 1}  # both actors took work
+    finally:
+        pool.shutdown()
+
+
+def test_killed_actor_mid_call_every_item_completes_exactly_once(ray_local):
+    pool = make_pool(3, call_timeout_s=60)
+    try:
+        pids = pool.call_all("pid", timeout_s=30)
+        tickets = [pool.submit("square", i, 0.3) for i in range(18)]
+        killer = threading.Timer(0.5, lambda: os.kill(pids[0], signal.SIGKILL))
+        killer.start()
+        done = pool.gather(tickets, timeout_s=120)
+        killer.join()
+        assert sorted(done) == sorted(tickets)  # each ticket exactly once, none missing
+        assert [done[t][0] for t in tickets] == [i * i for i in range(18)]
+        st = pool.status()
+        assert len(st.evictions) == 1 and "died" in st.evictions[0].reason
+        pool.wait_ready(timeout_s=60)
+        assert pool.status().live == 3  # the replacement is up
+        assert len(set(pool.call_all("pid", timeout_s=30)) & {pids[0]}) == 0
+    finally:
+        pool.shutdown()
+
+
+def test_hanging_actor_raises_timeout_naming_actor_and_call(ray_local):
+    pool = make_pool(2, call_timeout_s=2.0)
+    try:
+        t0 = time.monotonic()
+        ticket = pool.submit("hang")
+        with pytest.raises(CallTimeoutError) as info:
+            pool.gather([ticket], timeout_s=30)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 6.0, elapsed
+        msg = str(info.value)
+        assert "'hang'" in msg and "call_timeout_s=2" in msg and "#" in msg
+        # The stuck actor was replaced; the pool still works.
+        assert [r for r, _ in pool.map("square", [3], timeout_s=60)] == [9]
+    finally:
+        pool.shutdown()
+
+
+def test_gather_deadline_names_unfinished_calls(ray_local):
+    pool = make_pool(1, call_timeout_s=60)
+    try:
+        ticket = pool.submit("square", 2, 5.0)
+        with pytest.raises(CallTimeoutError, match="'square'.*running on actor"):
+            pool.gather([ticket], timeout_s=1.0)
+    finally:
+        pool.shutdown()
+
+
+def test_resize_while_work_in_flight(ray_local):
+    pool = make_pool(2)
+    try:
+        tickets = [pool.submit("square", i, 0.2) for i in range(16)]
+        pool.resize(4)  # grow mid-flight
+        part = pool.gather(tickets[:8], timeout_s=60)
+        pool.resize(1)  # shrink mid-flight: retiring actors finish their call first
+        rest = pool.gather(tickets[8:], timeout_s=60)
+        results = {**part, **rest}
+        assert [results[t][0] for t in tickets] == [i * i for i in range(16)]
+        assert pool.size == 1
+        assert len({k for _, k in results.values()}) >= 3  # grown actors took work
+        pool.wait_ready(timeout_s=30)
+        assert pool.status().live == 1
+    finally:
+        pool.shutdown()
+
+
+def test_sticky_call_is_replayed_on_replacements(ray_local):
+    pool = make_pool(2)
+    try:
+        weights = ray.put([1.0, 2.0, 3.0])
+        pool.call_all("set_weights", weights, timeout_s=30, sticky=True)
+        pids = pool.call_all("pid", timeout_s=30)
+        os.kill(pids[1], signal.SIGKILL)
+        # The next call sees the death, evicts, and the replacement gets the weights first.
+        deadline = time.time() + 60
+        while time.time() < deadline and not pool.status().evictions:
+            pool.map("square", [1, 2], timeout_s=60)
+        pool.wait_ready(timeout_s=60)
+        assert pool.call_all("get_weights", timeout_s=30) == [[1.0, 2.0, 3.0]] * 2
+    finally:
+        pool.shutdown()
+
+
+def test_method_error_is_grouped_not_retried(ray_local):
+    pool = make_pool(2)
+    try:
+        with pytest.raises(WorkError) as info:
+            pool.map("fail", [1, 1], timeout_s=30)
+        assert "2 call(s) of 'fail'" in str(info.value) and "bad item 1" in str(info.value)
+        assert not pool.status().evictions  # a bug in the method is not a dead actor
+    finally:
+        pool.shutdown()
+
+
+def test_bad_sizes_are_refused(ray_local):
+    pool = make_pool(1, lo=1, hi=2)
+    try:
+        for bad in (0, 3, -1, 1.5):
+            with pytest.raises(ValueError, match=r"size must be an integer in 1\.\.2"):
+                pool.resize(bad)
+    finally:
+        pool.shutdown()
+    with pytest.raises(PoolError, match="shut down"):
+        pool.submit("square", 1)
