@@ -153,6 +153,7 @@ class ActorPool:
         on_timeout: str = "raise",
         max_attempts: int = 3,
         max_start_failures: int = 3,
+        start_timeout_s: float = 180.0,
     ):
         """Start ``size`` actors (default: the role's ``hi``) of ``actor_cls`` (a ``ray.remote`` class).
 
@@ -175,6 +176,7 @@ class ActorPool:
         self.on_timeout = on_timeout
         self.max_attempts = max_attempts
         self.max_start_failures = max_start_failures
+        self.start_timeout_s = start_timeout_s
         self._lock = threading.RLock()
         self._keys = itertools.count()
         self._tickets_ids = itertools.count()
@@ -447,7 +449,7 @@ class ActorPool:
                 if m.retiring:
                     continue
                 existing[m.node_id] = existing.get(m.node_id, 0) + 1
-                if not m.ready:  # may not show in the cluster's free resources yet
+                if not m.ready or now - m.created < 5.0:  # may not show in the cluster's free resources yet
                     res = reserved.setdefault(m.node_id, {})
                     for k, v in m.resources.items():
                         res[k] = res.get(k, 0.0) + v
@@ -584,6 +586,9 @@ class ActorPool:
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         with self._lock:
+            for m in [m for m in self._members.values() if not m.ready and now - m.created > self.start_timeout_s]:
+                self._placement_error = f"an actor on node {m.node_id[:8]} did not start within {self.start_timeout_s:g} s (its resources never freed up?)"
+                self._evict(m.key, f"not started within start_timeout_s={self.start_timeout_s:g} s")
             stuck = [m for m in self._members.values() if m.ticket is not None and now - m.call_started > self.call_timeout_s]
             for m in stuck:
                 tk = self._tickets.get(m.ticket)
