@@ -175,6 +175,7 @@ class Driver:
         self._last_ckpt_time = time.time()
         self._ctx: Context | None = None
         self._monitor: PreemptionMonitor | None = None
+        self._desired: dict[str, int] = {}
 
     # ------------------------------------------------------------ state machine
 
@@ -215,6 +216,7 @@ class Driver:
                 runlog.metrics(self.step, metrics)
                 progress.update(self.step, metrics)
                 notice = self._handle_events()
+                self._settle_pools()
                 self._checkpoint(notice=notice)
                 if self.workload.done(self.step, metrics):
                     self._checkpoint(final=True)
@@ -340,14 +342,25 @@ class Driver:
             self._rescale(pools)
         return notice
 
+    def _settle_pools(self) -> None:
+        """Between steps: a pool that cannot refill (or has room to grow back) is rescaled."""
+        if self._ctx is None or not self.config.autoscale:
+            return
+        pools = self.workload.pools()
+        for name, pool in pools.items():
+            self._desired.setdefault(name, pool.target)
+        if any(p.size < p.target or p.target < self._desired[n] for n, p in pools.items() if p.role.lo != p.role.hi):
+            self._ctx.cluster = self._cluster_source()
+            self._rescale(pools)
+
     def _rescale(self, pools: dict[str, ActorPool]) -> None:
         assert self._ctx is not None
         views = []
         for name, pool in pools.items():
-            st = pool.status()
-            views.append(PoolView(name, st.target, st.live, pool.role.lo, pool.role.hi, capacity(pool.role, self._ctx.cluster)))
+            self._desired.setdefault(name, pool.target)
+            views.append(PoolView(name, self._desired[name], pool.target, pool.size, pool.role.lo, pool.role.hi, capacity(pool.role, self._ctx.cluster)))
         for role, target in self.scaling_policy.targets(views).items():
-            self._ctx.log.event("scale", role=role, target=target, reason="capacity changed")
+            self._ctx.log.event("scale", role=role, target=target, desired=self._desired[role], reason="capacity changed")
             pools[role].resize(target)
 
     def _summary(self, started: float, error: BaseException | None) -> dict[str, Any]:

@@ -119,8 +119,9 @@ class PoolView:
     """What the scaling policy needs to know about one pool."""
 
     role: str
-    target: int
-    live: int
+    desired: int  # the size the job (or the user, through `scale`) asked for
+    target: int  # the size the pool is trying to hold now
+    live: int  # actors alive: ready or starting
     lo: int
     hi: int
     fits_more: int  # actors of this role the cluster's free resources hold now
@@ -128,30 +129,29 @@ class PoolView:
 
 @dataclass(frozen=True)
 class ScalingPolicy:
-    """Grow elastic pools into capacity that appears, shrink them to what survives.
+    """Keep each elastic pool at its desired size where the cluster allows it.
 
-    Fixed-size roles (lo == hi) are left alone: their size is part of the job's maths.
+    When nodes leave and a pool cannot be refilled (no room anywhere), its target drops
+    to what survives, never below ``lo``, so the job runs on smaller instead of waiting.
+    When nodes join, the target grows back toward the desired size. Fixed-size roles
+    (``lo == hi``) are left alone: their size is part of the job's maths, and losing one
+    of their actors is a failure for the driver to recover, not a scaling decision.
     """
 
     grow: bool = True
-    """Grow pools when free capacity appears (nodes joined)."""
+    """Grow pools back toward their desired size when capacity appears."""
 
-    def targets(self, pools: Sequence[PoolView], lost: Mapping[str, int] | None = None) -> dict[str, int]:
-        """New targets for pools whose target should change.
-
-        ``lost[role]`` is how many of the role's actors sit on nodes that left and have
-        no room elsewhere; the target drops by that much, but never below ``lo``.
-        """
-        lost = lost or {}
+    def targets(self, pools: Sequence[PoolView]) -> dict[str, int]:
+        """New targets for the pools whose target should change."""
         out = {}
         for p in pools:
             if p.lo == p.hi:
                 continue
             target = p.target
-            if lost.get(p.role):
-                target = max(p.lo, target - lost[p.role])
-            elif self.grow and p.fits_more > 0 and target < p.hi:
-                target = min(p.hi, target + p.fits_more)
+            if p.live < p.target and p.fits_more == 0:
+                target = max(p.lo, p.live)
+            elif self.grow and p.target < p.desired and p.fits_more > 0:
+                target = min(p.desired, p.hi, p.target + p.fits_more)
             if target != p.target:
                 out[p.role] = target
         return out

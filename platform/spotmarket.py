@@ -98,6 +98,7 @@ class SpotMarket:
         self.nodes: dict[str, SimNode] = {}
         self._count = 0
         self._lock = threading.Lock()
+        self._add_lock = threading.Lock()
         self.log: list[tuple[float, str, str]] = []
 
     @property
@@ -116,12 +117,22 @@ class SpotMarket:
         with self._lock:
             self._count += 1
             name = name or f"{market}-{self._count}"
-        node = self.cluster.add_node(
-            num_cpus=cpus,
-            num_gpus=gpus,
-            object_store_memory=self._object_store,
-            labels={MARKET_LABEL: market, **({} if speed is None else {SPEED_LABEL: _fmt_speed(speed)})},
-        )
+        # Ray registers exit hooks (signal handlers) for each node it starts, which only
+        # works on the main thread. A node added from a schedule thread skips them; the
+        # market's shutdown() still stops it explicitly.
+        in_main = threading.current_thread() is threading.main_thread()
+        with self._add_lock:
+            saved = self.cluster._shutdown_at_exit
+            self.cluster._shutdown_at_exit = saved and in_main
+            try:
+                node = self.cluster.add_node(
+                    num_cpus=cpus,
+                    num_gpus=gpus,
+                    object_store_memory=self._object_store,
+                    labels={MARKET_LABEL: market, **({} if speed is None else {SPEED_LABEL: _fmt_speed(speed)})},
+                )
+            finally:
+                self.cluster._shutdown_at_exit = saved
         sim = SimNode(name, market, speed or 0.0, cpus, node)
         self.nodes[sim.node_id] = sim
         self.log.append((time.time(), "add", sim.node_id))

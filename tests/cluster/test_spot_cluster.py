@@ -190,6 +190,9 @@ def test_driver_finishes_through_spot_preemptions_with_exact_result(spot_cluster
         while len(steps_seen) < 40:
             time.sleep(0.05)
         spot_cluster.remove(by_name(spot_cluster, "spot-slow"))  # without notice
+        while len(steps_seen) < 55:
+            time.sleep(0.05)
+        spot_cluster.add_node("spot", speed=2.0, cpus=2, name="spot-fast")  # capacity comes back
 
     t = threading.Thread(target=chaos, daemon=True)
     t.start()
@@ -202,5 +205,9 @@ def test_driver_finishes_through_spot_preemptions_with_exact_result(spot_cluster
     events = [json.loads(l) for l in (tmp_path / "spot" / "events.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]
     assert "NodeLeaving" in kinds and kinds.count("NodeLost") >= 2
+    # With both spot nodes gone only the head's 2 CPUs remain: the pool shrank to 2 instead of waiting.
+    assert any(e["event"] == "scale" and e["target"] == 2 for e in events), [e for e in events if e["event"] == "scale"]
+    # ... and grew back to the 4 asked for once a node joined.
+    assert any(e["event"] == "scale" and e["target"] == 4 for e in events)
+    assert summary["final_metrics"]["workers"] == 4
     spot_cluster.add_node("spot", speed=1.0, cpus=2, name="spot-slow")
-    spot_cluster.add_node("spot", speed=2.0, cpus=2, name="spot-fast")

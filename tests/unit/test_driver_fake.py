@@ -173,3 +173,15 @@ def test_unplaceable_role_fails_in_initializing(tmp_path):
 
     with pytest.raises(DriverError, match="role 'huge' needs 1 actor"):
         drive(tmp_path, Big(), max_steps=3)
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    drive(tmp_path, Counter(), max_steps=3, tensorboard=True)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = list((tmp_path / "r" / "tb").glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    acc = EventAccumulator(str(files[0]))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
+    assert acc.Scalars("x")[-1].value == pytest.approx(reference(3))

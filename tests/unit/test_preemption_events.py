@@ -90,3 +90,17 @@ def test_seconds_left_defaults_to_wall_clock():
 
 def test_seconds_left_with_now_zero():
     assert NodeLeaving("a", "spot", 100.0).seconds_left(now=0.0) == 100.0
+
+
+def test_random_spot_schedule_is_seeded_and_well_formed():
+    from raylane.spotmarket import random_schedule
+
+    a = random_schedule(7, events=6, every_s=10.0, notice_s=30.0, notice_share=0.5)
+    assert a == random_schedule(7, events=6, every_s=10.0, notice_s=30.0, notice_share=0.5)
+    assert a != random_schedule(8, events=6, every_s=10.0, notice_s=30.0, notice_share=0.5)
+    times = [e.at for e in a]
+    assert times == sorted(times) and all(7.5 <= b - t <= 12.5 for t, b in zip([0.0] + times, times))
+    assert {e.action for e in a} <= {"preempt", "remove"}
+    assert all((e.notice_s == 30.0) == (e.action == "preempt") for e in a)
+    with pytest.raises(ValueError, match="every_s"):
+        random_schedule(0, events=1, every_s=0)
