@@ -69,7 +69,9 @@ def _encode(obj, path: tuple, tensors: dict, blobs: dict):
         if kind == _NDARRAY and obj.dtype.kind in "biufc":
             try:
                 # native byte order; C order (not ascontiguousarray, which makes 0-d arrays 1-d)
-                t = torch.from_numpy(obj.astype(obj.dtype.newbyteorder("="), order="C", copy=False))
+                # (a read-only array, e.g. one fetched from Ray's object store, is copied:
+                # torch refuses to wrap memory it may not write)
+                t = torch.from_numpy(obj.astype(obj.dtype.newbyteorder("="), order="C", copy=not obj.flags.writeable))
             except TypeError:  # a numeric dtype torch lacks, e.g. longdouble
                 pass
         if t is None or t.layout != torch.strided:

@@ -195,7 +195,8 @@ class Driver:
         uri = self.config.checkpoint_uri
         store_uri = str(self.run_dir / "checkpoints") if uri is None else f"{uri.rstrip('/')}/{self.run_name}"
         store = CheckpointStore(store_uri, keep=self.config.keep_checkpoints)
-        progress = Progress(self.config.progress, self.config.max_steps, self.workload.main_metric, self.workload.name)
+        shown = getattr(self.workload, "progress_metrics", (self.workload.main_metric,))
+        progress = Progress(self.config.progress, self.config.max_steps, shown, self.workload.name)
         error: BaseException | None = None
         try:
             self._initialize(runlog, store)
@@ -203,6 +204,7 @@ class Driver:
             while self.state is State.RUNNING:
                 if self._should_stop(started):
                     self._checkpoint(final=True)
+                    self._finish()
                     self._to(State.FINISHED, "stop condition reached")
                     break
                 try:
@@ -220,6 +222,7 @@ class Driver:
                 self._checkpoint(notice=notice)
                 if self.workload.done(self.step, metrics):
                     self._checkpoint(final=True)
+                    self._finish()
                     self._to(State.FINISHED, "workload reached its target")
         except BaseException as exc:
             error = exc
@@ -251,12 +254,15 @@ class Driver:
         self.workload.setup(self._ctx)
         if self.poll_events:
             self._monitor = PreemptionMonitor()
-        if self.config.resume:
-            latest = store.latest()
-            if latest is not None:
-                self._load(latest.step)
-                self.resumed_from = latest.step
-                runlog.event("resume", step=latest.step)
+        latest = store.latest() if self.config.resume else None
+        if latest is not None:
+            self._load(latest.step)
+            self.resumed_from = latest.step
+            runlog.event("resume", step=latest.step)
+        else:
+            # The initial state, so that a failure before the first periodic checkpoint
+            # still has something consistent to recover to.
+            self._checkpoint()
 
     def _load(self, step: int) -> None:
         assert self._ctx is not None
@@ -265,6 +271,12 @@ class Driver:
         self.step = at
         self._last_ckpt_step = at
         self._last_ckpt_time = time.time()
+
+    def _finish(self) -> None:
+        """The workload's optional end-of-run hook (final model files, plots)."""
+        hook = getattr(self.workload, "finish", None)
+        if hook is not None and self._ctx is not None:
+            hook(self._ctx)
 
     def _should_stop(self, started: float) -> bool:
         if self.step >= self.config.max_steps:
@@ -329,10 +341,11 @@ class Driver:
             self._ctx.log.event(type(ev).__name__, node=ev.node_id, market=ev.market, deadline=getattr(ev, "deadline", None))
             if isinstance(ev, NodeLeaving):
                 for name, pool in pools.items():
-                    on_node = pool.status().nodes.get(ev.node_id, 0)
-                    if on_node and name in stateful_roles:
-                        notice = True
-                    if on_node:
+                    if not pool.status().nodes.get(ev.node_id, 0):
+                        continue
+                    if name in stateful_roles:
+                        notice = True  # checkpoint now; the actor is replaced on recovery
+                    else:
                         pool.evacuate(ev.node_id, "preemption notice")
             handler = getattr(self.workload, "on_event", None)
             if handler is not None:

@@ -9,7 +9,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 def _clean(value: Any) -> Any:
@@ -79,9 +79,9 @@ def read_jsonl(path: Path) -> list[dict]:
 class Progress:
     """A rich progress bar: steps, rate and the main metric. A no-op when disabled."""
 
-    def __init__(self, enabled: bool, total: int | None, metric: str | None, description: str):
+    def __init__(self, enabled: bool, total: int | None, metrics: Sequence[str], description: str):
         self._p = None
-        self.metric = metric
+        self.metrics = tuple(metrics)
         if not enabled:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
@@ -106,10 +106,9 @@ class Progress:
         if self._s0 is None:
             self._s0, self._t0 = step - 1, time.monotonic() - 1e-9
         rate = (step - self._s0) / max(time.monotonic() - self._t0, 1e-9)
-        shown = ""
-        if self.metric and self.metric in metrics:
-            v = metrics[self.metric]
-            shown = f"{self.metric}={v:.4g}" if isinstance(v, (int, float)) else f"{self.metric}={v}"
+        shown = " ".join(
+            f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}" for k in self.metrics if k in metrics
+        )
         self._p.update(self._task, completed=step, rate=f"{rate:.2f} steps/s", metric=(shown + " " + extra).strip())
 
     def log(self, text: str) -> None:

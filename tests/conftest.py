@@ -24,10 +24,9 @@ def ray_local():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def spot_cluster():
-    """A heterogeneous simulated cluster: an on-demand head (2 CPUs) and two spot nodes,
-    speeds 1 and 2, with health checks short enough that a dead node is seen in ~2 s."""
+@pytest.fixture(scope="session")
+def _spot_market():
+    """One simulated cluster for the whole session (starting one takes ~15 s)."""
     import ray
 
     from raylane.spotmarket import SpotMarket
@@ -35,9 +34,40 @@ def spot_cluster():
     if ray.is_initialized():
         ray.shutdown()
     market = SpotMarket(head_cpus=2)
-    market.add_node("spot", speed=1.0, cpus=2, name="spot-slow")
-    market.add_node("spot", speed=2.0, cpus=2, name="spot-fast")
-    ray.init(address=market.address, log_to_driver=False)
     yield market
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
     market.shutdown()
+
+
+SPOT_LAYOUT = {"spot-slow": 1.0, "spot-fast": 2.0}
+
+
+@pytest.fixture()
+def spot_cluster(_spot_market):
+    """A heterogeneous simulated cluster: an on-demand head (2 CPUs) and two spot nodes,
+    'spot-slow' (speed 1) and 'spot-fast' (speed 2), 2 CPUs each, with health checks short
+    enough that a dead node is seen in ~2 s. Tests may remove nodes; missing ones are
+    added back before the next test, and every test starts with all CPUs free."""
+    import time
+
+    import ray
+
+    from raylane.cluster import ClusterView
+
+    market = _spot_market
+    if not ray.is_initialized() or ray.get_runtime_context().gcs_address != market.address:
+        if ray.is_initialized():
+            ray.shutdown()
+        ray.init(address=market.address, log_to_driver=False)
+    present = {n.name for n in market.nodes.values()}
+    for name, speed in SPOT_LAYOUT.items():
+        if name not in present:
+            market.add_node("spot", speed=speed, cpus=2, name=name)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        view = ClusterView.from_ray()
+        if len(view.usable) == 1 + len(SPOT_LAYOUT) and all(n.available.get("CPU", 0) == n.cpus for n in view.usable):
+            break
+        time.sleep(0.2)
+    return market

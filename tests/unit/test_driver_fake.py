@@ -96,11 +96,11 @@ def test_runs_to_finished_and_writes_the_run_folder(tmp_path):
     assert summary["steps"] == 12 and summary["state"] == "finished"
     assert math.isclose(w.x, reference(12))
     store = CheckpointStore(str(tmp_path / "r" / "checkpoints"))
-    assert store.steps() == [5, 10, 12]  # every 5, and the final step
+    assert store.steps() == [5, 10, 12]  # every 5 and the final step; the initial step-0 one was pruned (keep=3)
     rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     saved = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert saved["checkpoints_written"] == 3 and saved["final_metrics"]["x"] == pytest.approx(reference(12))
+    assert saved["checkpoints_written"] == 4 and saved["final_metrics"]["x"] == pytest.approx(reference(12))
     assert w.closed
 
 

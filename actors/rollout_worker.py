@@ -1,0 +1,139 @@
+"""Rollout workers: gymnasium vector environments stepped with a CPU copy of the policy.
+
+A stateless role (prefers spot nodes): a worker holds environments and a policy
+copy that arrives with every ``sample`` call, so losing one loses only the steps it
+was sampling; a replacement starts with fresh seeds and gets the weights with its
+first call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+from raylane.actors.policy import ActorCritic, RunningMeanStd, SpaceSpec
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """One rollout worker's slice of the job's config."""
+
+    env_id: str
+    """Gymnasium environment id."""
+    num_envs: int
+    """Environment copies stepped together in one vector env."""
+    seed: int
+    """This worker's seed; env copy i is seeded ``seed + i``."""
+    spec: SpaceSpec
+    """The environment's spaces, checked by the driver before any worker started."""
+    hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer sizes of the policy network."""
+
+
+def make_vector_env(env_id: str, num_envs: int):
+    import gymnasium as gym
+    from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+    # SAME_STEP autoreset: an episode's last observation comes back in info["final_obs"]
+    # in the step that ended it, which is what bootstrapping a truncated episode needs.
+    return SyncVectorEnv([lambda: gym.make(env_id) for _ in range(num_envs)], autoreset_mode=AutoresetMode.SAME_STEP)
+
+
+class Sampler:
+    """Steps a vector env with a policy; the part of a rollout worker that needs no Ray."""
+
+    def __init__(self, cfg: RolloutConfig):
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        self.env = make_vector_env(cfg.env_id, cfg.num_envs)
+        self.seeds = [cfg.seed + i for i in range(cfg.num_envs)]
+        self.obs, _ = self.env.reset(seed=self.seeds)
+        self.env.action_space.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.net = ActorCritic(cfg.spec, cfg.hidden)
+        self.net.eval()
+        self.rms = RunningMeanStd(cfg.spec.obs_dim)
+        self.version = -1
+        self.ep_return = np.zeros(cfg.num_envs)
+        self.ep_length = np.zeros(cfg.num_envs, dtype=np.int64)
+
+    def set_weights(self, weights: dict) -> None:
+        if weights["version"] == self.version:
+            return
+        self.net.load_state_dict({k: torch.as_tensor(v) for k, v in weights["params"].items()})
+        self.rms.load(weights["obs_rms"])
+        self.version = weights["version"]
+
+    def _flat(self, obs: np.ndarray) -> np.ndarray:
+        return self.rms.normalize(obs.reshape(obs.shape[0], -1))
+
+    def sample(self, num_steps: int) -> dict:
+        """``num_steps`` steps of every env copy: arrays shaped [T, N, ...] plus finished episodes."""
+        spec, n = self.cfg.spec, self.cfg.num_envs
+        obs_tnd = np.zeros((num_steps, n, spec.obs_dim), dtype=np.float32)
+        raw_tnd = np.zeros((num_steps, n, spec.obs_dim), dtype=np.float32)
+        act_shape = (num_steps, n) if spec.discrete else (num_steps, n, spec.act_dim)
+        act = np.zeros(act_shape, dtype=np.int64 if spec.discrete else np.float32)
+        logp, val, rew = (np.zeros((num_steps, n), dtype=np.float32) for _ in range(3))
+        term, trunc = (np.zeros((num_steps, n), dtype=bool) for _ in range(2))
+        final_val = np.zeros((num_steps, n), dtype=np.float32)  # V(final obs) where an episode ended
+        returns, lengths = [], []
+        low = np.asarray(spec.act_low, dtype=np.float32) if not spec.discrete else None
+        high = np.asarray(spec.act_high, dtype=np.float32) if not spec.discrete else None
+        with torch.no_grad():
+            for t in range(num_steps):
+                raw = self.obs.reshape(n, -1).astype(np.float32)
+                o = self.rms.normalize(raw)
+                ot = torch.from_numpy(o)
+                dist = self.net.dist(ot)
+                a = dist.sample()
+                obs_tnd[t], raw_tnd[t] = o, raw
+                act[t] = a.numpy()
+                logp[t] = self.net.log_prob(dist, a).numpy()
+                val[t] = self.net.value(ot).numpy()
+                step_a = act[t] if spec.discrete else np.clip(act[t], low, high)
+                self.obs, r, te, tr, info = self.env.step(step_a)
+                rew[t], term[t], trunc[t] = r, te, tr
+                self.ep_return += r
+                self.ep_length += 1
+                done = te | tr
+                if done.any():
+                    finals = np.stack([info["final_obs"][i] if done[i] else self.obs[i] for i in range(n)]).reshape(n, -1)
+                    final_val[t] = self.net.value(torch.from_numpy(self._flat(finals))).numpy() * done
+                    for i in np.flatnonzero(done):
+                        returns.append(float(self.ep_return[i]))
+                        lengths.append(int(self.ep_length[i]))
+                    self.ep_return[done] = 0.0
+                    self.ep_length[done] = 0
+            last_val = self.net.value(torch.from_numpy(self._flat(self.obs))).numpy()
+        return {
+            "obs": obs_tnd, "raw_obs": raw_tnd, "actions": act, "logp": logp, "values": val, "rewards": rew,
+            "terminated": term, "truncated": trunc, "final_values": final_val, "last_values": last_val,
+            "episode_returns": returns, "episode_lengths": lengths, "version": self.version, "seeds": self.seeds,
+        }
+
+
+@ray.remote
+class RolloutWorker:
+    """A :class:`Sampler` in an actor. The weights ride along with each ``sample`` call (an
+    object-store reference, fetched once per node), so a new worker needs no set-up call."""
+
+    def __init__(self, cfg: RolloutConfig):
+        self.sampler = Sampler(cfg)
+
+    def set_weights(self, weights: dict) -> int:
+        self.sampler.set_weights(weights)
+        return self.sampler.version
+
+    def sample(self, weights: dict, num_steps: int) -> dict:
+        self.sampler.set_weights(weights)
+        return self.sampler.sample(num_steps)
+
+    def info(self) -> dict:
+        """Where this worker runs and how it is seeded (for logs and fault tests)."""
+        import os
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "seeds": self.sampler.seeds}

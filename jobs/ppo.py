@@ -1,0 +1,298 @@
+"""``raylane run ppo``: PPO with rollout workers on (spot) actors feeding one learner.
+
+Each iteration: the newest weights go out once through the object store with the
+``sample`` calls, every ready rollout worker samples ``rollout_steps`` steps of each
+of its env copies, the iteration goes on with the samples of the workers that
+answered by the deadline (a worker lost mid-iteration costs its samples, never a
+stall), and the learner runs several epochs of PPO on them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from raylane import config as cfg
+from raylane.actors.policy import SpaceSpec, space_spec
+from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
+from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
+from raylane.driver import Context, DriverConfig
+from raylane.launch import job_main
+from raylane.placement import RoleSpec
+from raylane.pool import ActorPool, PoolError
+from raylane.registry import JobSpec
+from raylane.runlog import read_jsonl
+
+WORKERS, LEARNER = "rollout_worker", "learner"
+RETURN_WINDOW = 100
+
+
+@dataclass
+class PPOConfig:
+    """PPO on a gymnasium environment. Defaults solve CartPole-v1 in well under two minutes on 2 cores."""
+
+    env_id: str = "CartPole-v1"
+    """Gymnasium environment id (Box observations; Discrete or Box actions)."""
+    workers: int = cfg.field(2, ge=1)
+    """Rollout worker actors."""
+    max_workers: int = cfg.field(16, ge=1)
+    """Most rollout workers the pool may grow to."""
+    envs_per_worker: int = cfg.field(4, ge=1)
+    """Environment copies per worker, stepped as one vector env."""
+    rollout_steps: int = cfg.field(32, ge=1)
+    """Steps of every env copy per iteration (batch = workers x envs_per_worker x rollout_steps)."""
+    worker_cpus: float = cfg.field(0.5, gt=0)
+    """CPUs reserved per rollout worker."""
+    total_env_steps: int = cfg.field(500_000, ge=1)
+    """Stop after this many environment steps."""
+    target_return: float | None = 475.0
+    """Stop once the mean return of the last 100 episodes reaches this; null to run all steps."""
+    lr: float = cfg.field(1e-3, gt=0)
+    """Adam learning rate."""
+    anneal: bool = True
+    """Anneal learning rate and clip range linearly over total_env_steps."""
+    gamma: float = cfg.field(0.98, gt=0, le=1)
+    """Discount factor."""
+    gae_lambda: float = cfg.field(0.8, ge=0, le=1)
+    """GAE lambda."""
+    clip: float = cfg.field(0.2, gt=0)
+    """PPO clip range."""
+    epochs: int = cfg.field(20, ge=1)
+    """Passes over each batch."""
+    minibatches: int = cfg.field(1, ge=1)
+    """Minibatches per epoch."""
+    ent_coef: float = cfg.field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    vf_coef: float = cfg.field(0.5, ge=0)
+    """Value loss coefficient."""
+    max_grad_norm: float = cfg.field(0.5, gt=0)
+    """Gradient clipping norm."""
+    norm_adv: bool = True
+    """Normalise advantages per minibatch."""
+    normalize_obs: bool = False
+    """Normalise observations with running statistics (helps Pendulum-like envs)."""
+    reward_scale: float = cfg.field(1.0, gt=0)
+    """Multiply rewards by this before computing advantages (0.1 suits Pendulum's -16..0 rewards)."""
+    hidden: list[int] = cfg.field(default_factory=lambda: [64, 64], ge=1)
+    """Hidden layer sizes of the policy and value networks."""
+    sample_timeout_s: float = cfg.field(60.0, gt=0)
+    """Deadline for one iteration's sampling; workers that miss it are left out of that iteration."""
+    seed: int = 0
+    """Base seed: worker k seeds its env copies with seed + 1000 * (k + 1) + i."""
+    plot: bool = True
+    """Write return_vs_steps.png into the run folder at the end."""
+    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=1_000_000, checkpoint_every_steps=10))
+    """Run name, stop rules, checkpoints."""
+
+    def validate(self) -> None:
+        if self.workers > self.max_workers:
+            raise ValueError(f"workers ({self.workers}) must not exceed max_workers ({self.max_workers})")
+        check_env(self.env_id)
+
+
+def check_env(env_id: str) -> SpaceSpec:
+    """The env's space description; a clear error for an unknown id or unsupported spaces."""
+    import gymnasium as gym
+
+    if env_id not in gym.registry:
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else " `python -c \"import gymnasium; gymnasium.pprint_registry()\"` lists them."
+        raise ValueError(f"env_id {env_id!r} is not a registered gymnasium environment.{hint}")
+    env = gym.make(env_id)
+    try:
+        return space_spec(env.observation_space, env.action_space)
+    finally:
+        env.close()
+
+
+class PPOWorkload:
+    name = "ppo"
+    main_metric = "return_mean"
+    guarded_metrics = ("loss",)
+    progress_metrics = ("env_steps", "env_steps_per_s", "return_mean")
+
+    def __init__(self, config: PPOConfig):
+        self.config = config
+        self.spec = check_env(config.env_id)
+        self.env_steps = 0
+        self.episodes = 0
+        self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)
+        self.workers: ActorPool | None = None
+        self.learner: ActorPool | None = None
+        self._weights_ref = None
+        self._seeds_logged: set[int] = set()
+        self._ctx: Context | None = None
+
+    # ---------------------------------------------------------------- roles and set-up
+
+    def roles(self) -> list[RoleSpec]:
+        c = self.config
+        return [
+            RoleSpec(LEARNER, {"CPU": 1.0}, count=1, stateful=True, accelerator="prefer"),
+            RoleSpec(WORKERS, {"CPU": c.worker_cpus}, min_count=1, max_count=c.max_workers),
+        ]
+
+    def _learner_config(self) -> LearnerConfig:
+        c = self.config
+        return LearnerConfig(
+            spec=self.spec, hidden=tuple(c.hidden), lr=c.lr, anneal=c.anneal, gamma=c.gamma, lam=c.gae_lambda, clip=c.clip,
+            epochs=c.epochs, minibatches=c.minibatches, ent_coef=c.ent_coef, vf_coef=c.vf_coef, max_grad_norm=c.max_grad_norm,
+            norm_adv=c.norm_adv, normalize_obs=c.normalize_obs, reward_scale=c.reward_scale, seed=c.seed,
+        )
+
+    def _worker_args(self, key: int) -> tuple[tuple, dict]:
+        c = self.config
+        # Each worker (and each replacement: keys are never reused) gets its own seed
+        # range, so no two env copies in a run share a seed.
+        rc = RolloutConfig(c.env_id, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, tuple(c.hidden))
+        return (rc,), {}
+
+    def setup(self, ctx: Context) -> None:
+        c = self.config
+        self._ctx = ctx
+        roles = {r.name: r for r in self.roles()}
+        lc = self._learner_config()
+        self.learner = ActorPool(roles[LEARNER], LearnerActor, actor_args=lambda key: ((lc,), {}), size=1, call_timeout_s=300)
+        size = max(1, min(c.workers, ctx.count(WORKERS)))
+        self.workers = ActorPool(roles[WORKERS], RolloutWorker, actor_args=self._worker_args, size=size, call_timeout_s=c.sample_timeout_s, on_timeout="retry")
+        self.learner.wait_ready(timeout_s=180)
+        self.workers.wait_ready(timeout_s=180)
+        self._refresh_weights()
+
+    def _refresh_weights(self) -> None:
+        assert self.learner is not None
+        (weights,) = self.learner.call_all("weights", timeout_s=60)
+        self._weights_ref = ray.put(weights)
+
+    # ---------------------------------------------------------------- one iteration
+
+    def step(self, step: int) -> dict[str, Any]:
+        assert self.workers is not None and self.learner is not None and self._ctx is not None
+        c = self.config
+        t0 = time.perf_counter()
+        ready = len(self.workers.actors())
+        if ready == 0:
+            self.workers.wait_ready(timeout_s=c.sample_timeout_s)
+            ready = len(self.workers.actors())
+        tickets = [self.workers.submit("sample", self._weights_ref, c.rollout_steps, retry=False) for _ in range(ready)]
+        done = self.workers.gather(tickets, timeout_s=c.sample_timeout_s, partial=True)
+        if not done:
+            raise PoolError(f"no rollout worker returned samples within sample_timeout_s={c.sample_timeout_s:g} s")
+        batches = [done[t] for t in tickets if t in done]
+        t1 = time.perf_counter()
+        new_steps = 0
+        for b in batches:
+            new_steps += b["rewards"].size
+            self.returns.extend(b["episode_returns"])
+            self.episodes += len(b["episode_returns"])
+            first = b["seeds"][0]
+            if first not in self._seeds_logged:
+                self._seeds_logged.add(first)
+                self._ctx.log.event("worker_seeds", env=c.env_id, seeds=b["seeds"])
+        self.env_steps += new_steps
+        progress = min(1.0, self.env_steps / c.total_env_steps)
+        ticket = self.learner.submit("update", [_strip(b) for b in batches], progress, retry=False)
+        stats, weights = self.learner.gather([ticket], timeout_s=300)[ticket]
+        self._weights_ref = ray.put(weights)
+        t2 = time.perf_counter()
+        return {
+            "env_steps": self.env_steps,
+            "env_steps_per_s": new_steps / max(t2 - t0, 1e-9),
+            "return_mean": float(np.mean(self.returns)) if self.returns else float("nan"),
+            "episodes": self.episodes,
+            "workers": len(batches),
+            "sample_s": t1 - t0,
+            "learn_s": t2 - t1,
+            **{k: v for k, v in stats.items() if k != "applied"},
+        }
+
+    def done(self, step: int, metrics: dict[str, Any]) -> bool:
+        c = self.config
+        if self.env_steps >= c.total_env_steps:
+            return True
+        return c.target_return is not None and len(self.returns) >= RETURN_WINDOW and float(np.mean(self.returns)) >= c.target_return
+
+    # ---------------------------------------------------------------- state and faults
+
+    def state_dict(self) -> dict:
+        assert self.learner is not None
+        (learner_state,) = self.learner.call_all("state", timeout_s=120)
+        return {
+            "learner": learner_state,
+            "env_steps": self.env_steps,
+            "episodes": self.episodes,
+            "returns": list(self.returns),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        assert self.learner is not None
+        self.learner.wait_ready(timeout_s=180)
+        self.learner.call_all("load_state", state["learner"], timeout_s=120)
+        self.env_steps = int(state["env_steps"])
+        self.episodes = int(state["episodes"])
+        self.returns = deque((float(x) for x in state["returns"]), maxlen=RETURN_WINDOW)
+        self._refresh_weights()
+
+    def pools(self) -> dict[str, ActorPool]:
+        out = {}
+        if self.learner is not None:
+            out[LEARNER] = self.learner
+        if self.workers is not None:
+            out[WORKERS] = self.workers
+        return out
+
+    def recover(self, ctx: Context, error: BaseException) -> None:
+        # The pools already replace dead actors; a lost learner comes back empty and the
+        # driver reloads the last checkpoint into it right after this.
+        assert self.learner is not None and self.workers is not None
+        self.learner.wait_ready(timeout_s=180)
+        self.workers.wait_ready(timeout_s=180)
+
+    def finish(self, ctx: Context) -> None:
+        if self.config.plot:
+            plot_returns(ctx.run_dir)
+
+    def close(self) -> None:
+        for pool in (self.workers, self.learner):
+            if pool is not None:
+                pool.shutdown()
+        self.workers = self.learner = None
+
+
+def _strip(batch: dict) -> dict:
+    """Only what the learner reads travels to it."""
+    keep = ("obs", "raw_obs", "actions", "logp", "values", "rewards", "terminated", "truncated", "final_values", "last_values")
+    return {k: batch[k] for k in keep}
+
+
+def plot_returns(run_dir) -> str:
+    """return_vs_steps.png beside summary.json: mean return (last 100 episodes) against env steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("return_mean"), (int, float))]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot([r["env_steps"] for r in rows], [r["return_mean"] for r in rows])
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel("mean return (last 100 episodes)")
+    ax.set_title(f"PPO: {run_dir.name}")
+    ax.grid(alpha=0.3)
+    path = run_dir / "return_vs_steps.png"
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+JOB = JobSpec("ppo", "PPO on gymnasium envs: rollout workers (spot-friendly) feeding one learner; solves CartPole-v1 by default.", PPOConfig, PPOWorkload)
+
+if __name__ == "__main__":
+    job_main(JOB)

@@ -1,0 +1,116 @@
+"""PPO end to end on one local Ray: solving CartPole, continuous control, and faults."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from raylane.checkpoint import CheckpointStore
+from raylane.driver import Driver, DriverConfig, NonFiniteError
+from raylane.jobs.ppo import PPOConfig, PPOWorkload
+from raylane.runlog import read_jsonl
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+
+def make(tmp_path, name, **kw) -> tuple[PPOWorkload, Driver]:
+    driver_kw = kw.pop("driver", {})
+    conf = PPOConfig(**kw)
+    conf.driver = DriverConfig(run_name=name, runs_dir=str(tmp_path), max_steps=100_000, progress=False, tensorboard=False, **driver_kw)
+    workload = PPOWorkload(conf)
+    return workload, Driver(workload, conf.driver)
+
+
+def test_ppo_solves_cartpole_within_a_step_budget(ray_local, tmp_path):
+    workload, driver = make(tmp_path, "solve", total_env_steps=150_000)
+    summary = driver.run()
+    assert summary["state"] == "finished"
+    final = summary["final_metrics"]
+    assert final["return_mean"] >= 475.0, final
+    assert final["env_steps"] < 150_000  # stopped on the target, not the budget
+    assert (tmp_path / "solve" / "return_vs_steps.png").stat().st_size > 10_000
+    seeds = [e["seeds"] for e in read_jsonl(tmp_path / "solve" / "events.jsonl") if e["event"] == "worker_seeds"]
+    flat = [s for group in seeds for s in group]
+    assert len(seeds) == 2 and len(set(flat)) == len(flat) == 8  # every env copy seeded differently
+
+
+def test_pendulum_trains_and_its_return_improves(ray_local, tmp_path):
+    workload, driver = make(
+        tmp_path, "pendulum", env_id="Pendulum-v1", total_env_steps=80_000, target_return=None, normalize_obs=True,
+        gamma=0.9, gae_lambda=0.95, epochs=10, rollout_steps=256, minibatches=32, reward_scale=0.1, lr=3e-4, anneal=False,
+    )
+    summary = driver.run()
+    assert summary["state"] == "finished"
+    rows = read_jsonl(tmp_path / "pendulum" / "metrics.jsonl")
+    early, late = rows[2]["return_mean"], rows[-1]["return_mean"]
+    assert late > early + 200, (early, late)
+
+
+def test_a_rollout_worker_killed_mid_iteration_costs_only_its_samples(ray_local, tmp_path):
+    workload, driver = make(tmp_path, "workerkill", rollout_steps=1500, total_env_steps=90_000, target_return=None, sample_timeout_s=60)
+    steps = []
+    original = workload.step
+    workload.step = lambda i: (steps.append(time.monotonic()), original(i))[1]
+
+    def kill():
+        while len(steps) < 4:
+            time.sleep(0.02)
+        time.sleep(0.15)  # inside iteration 4's sampling
+        pid = workload.workers.call_all("info", timeout_s=30)[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    summary = driver.run()
+    t.join(timeout=30)
+    assert summary["state"] == "finished" and summary["failures_recovered"] == 0
+    rows = read_jsonl(tmp_path / "workerkill" / "metrics.jsonl")
+    workers = [r["workers"] for r in rows]
+    assert 1 in workers[3:6], workers  # the iteration with the kill went on with the survivor
+    assert workers[-1] == 2  # the replacement joined
+    assert max(r["sample_s"] for r in rows) < 10  # no stall waiting for the dead worker
+    assert rows[-1]["env_steps"] >= 90_000
+
+
+def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_local, tmp_path):
+    workload, driver = make(tmp_path, "learnerkill", total_env_steps=40_000, target_return=None, driver={"checkpoint_every_steps": 5})
+    steps = []
+    original = workload.step
+    workload.step = lambda i: (steps.append(i), original(i))[1]
+
+    def kill():
+        while len(steps) < 13:
+            time.sleep(0.01)
+        pid = workload.learner.call_all("info", timeout_s=30)[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    summary = driver.run()
+    t.join(timeout=30)
+    assert summary["state"] == "finished" and summary["failures_recovered"] == 1
+    events = read_jsonl(tmp_path / "learnerkill" / "events.jsonl")
+    failure = next(e for e in events if e["event"] == "failure")
+    ckpts_before = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
+    resumed = next(e for e in events[events.index(failure):] if e["event"] == "state" and e["state"] == "running")
+    assert resumed["step"] == ckpts_before[-1] == failure["step"] // 5 * 5, (failure, ckpts_before)
+    # the steps after the reload repeat from the checkpoint on
+    i = steps.index(failure["step"])
+    assert steps[i + 1] == ckpts_before[-1]
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_good_checkpoint(ray_local, tmp_path):
+    workload, driver = make(tmp_path, "nan", lr=1e30, anneal=False, driver={"checkpoint_every_steps": 1})
+    with pytest.raises(NonFiniteError, match="metric 'loss' is nan at step 1"):
+        driver.run()
+    step, state = CheckpointStore(str(tmp_path / "nan" / "checkpoints")).load()
+    assert step == 0
+    assert all(np.isfinite(v.numpy()).all() for v in state["workload"]["learner"]["params"].values())
+    assert json.loads((tmp_path / "nan" / "summary.json").read_text())["state"] == "failed"
