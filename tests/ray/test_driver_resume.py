@@ -71,3 +71,29 @@ def test_sigkilled_driver_resumes_at_last_checkpoint_and_matches_uninterrupted_r
     # Gradients are summed in shard order, so the resumed run ends bit-for-bit equal.
     assert np.array_equal(ref_state["workload"]["w"], got_state["workload"]["w"])
     assert json.loads((tmp_path / "reference" / "summary.json").read_text())["final_metrics"]["loss"] == summary["final_metrics"]["loss"]
+
+
+def test_sigkilled_ppo_driver_resumes_at_the_last_checkpointed_iteration(tmp_path):
+    args = ["--set", "total_env_steps=40000", "--set", "target_return=null", "--set", "driver.checkpoint_every_steps=5", "--set", "plot=false"]
+    cmd = [sys.executable, "-m", "raylane", "run", "ppo", "--run-name", "ppo", "--set", f"driver.runs_dir={tmp_path}", "--no-progress", *args]
+    victim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    run_dir = tmp_path / "ppo"
+    deadline = time.time() + 150
+    while time.time() < deadline and steps_logged(run_dir) < 12:
+        assert victim.poll() is None, victim.stdout.read()
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=30)
+    killed_at = steps_logged(run_dir)
+    last = CheckpointStore(str(run_dir / "checkpoints")).latest()
+    assert last is not None and 10 <= last.step <= killed_at
+    _, saved = CheckpointStore(str(run_dir / "checkpoints")).load(last.step)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == last.step
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    after = [r for r in rows if r["step"] == last.step + 1]
+    # the first iteration after the restart continues the env-step count of the checkpoint
+    assert after[-1]["env_steps"] == saved["workload"]["env_steps"] + 2 * 4 * 32
+    assert summary["final_metrics"]["env_steps"] >= 40000

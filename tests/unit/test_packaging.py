@@ -48,6 +48,6 @@ def readme_commands() -> list[str]:
 def test_readme_has_two_quickstart_commands_and_ci_runs_the_second_verbatim():
     commands = readme_commands()
     assert len(commands) == 2 and all("\n" not in c for c in commands), commands
-    assert commands[0].endswith("raylane cluster") and "torch==2.13.0" in commands[0]
+    assert commands[0].endswith("raylane run ppo") and "torch==2.13.0" in commands[0]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert commands[1] in ci, "the README's test command must appear verbatim as a line of .ci/run"

@@ -1,0 +1,55 @@
+"""PPO on the simulated spot cluster: the learner on the on-demand head, rollout workers
+on spot nodes; a spot node is lost mid-run and comes back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from raylane.driver import Driver, DriverConfig
+from raylane.jobs.ppo import PPOConfig, PPOWorkload
+from raylane.runlog import read_jsonl
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
+
+
+def test_ppo_reaches_the_target_through_a_spot_loss_and_the_pool_regrows(spot_cluster, tmp_path):
+    # Each worker takes a whole spot node (2 CPUs), so a lost node cannot be refilled
+    # until a node joins: the pool must shrink to 1 and grow back to 2.
+    conf = PPOConfig(workers=2, worker_cpus=2.0, total_env_steps=250_000)
+    conf.driver = DriverConfig(run_name="ppo-spot", runs_dir=str(tmp_path), max_steps=100_000, progress=False, tensorboard=False)
+    workload = PPOWorkload(conf)
+    iterations: list[int] = []
+    original = workload.step
+    workload.step = lambda i: (iterations.append(i), original(i))[1]
+    removed = {}
+
+    def chaos():
+        while len(iterations) < 15:
+            time.sleep(0.05)
+        nodes = workload.workers.status().nodes
+        victim = next(n for n in spot_cluster.nodes.values() if n.node_id in nodes)
+        removed["name"] = victim.name
+        spot_cluster.remove(victim)  # no notice
+        start = len(iterations)
+        while len(iterations) < start + 15:
+            time.sleep(0.05)
+        spot_cluster.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
+
+    t = threading.Thread(target=chaos, daemon=True)
+    t.start()
+    summary = Driver(workload, conf.driver).run()
+    t.join(timeout=60)
+    assert summary["state"] == "finished", summary
+    assert summary["final_metrics"]["return_mean"] >= 475.0
+    events = read_jsonl(tmp_path / "ppo-spot" / "events.jsonl")
+    plan = next(e for e in events if e["event"] == "plan")["assignments"]
+    assert [a["market"] for a in plan if a["role"] == "learner"] == ["on-demand"]
+    assert {a["market"] for a in plan if a["role"] == "rollout_worker"} == {"spot"}
+    scales = [(e["role"], e["target"]) for e in events if e["event"] == "scale"]
+    assert ("rollout_worker", 1) in scales and scales[-1] == ("rollout_worker", 2), scales
+    workers = [r["workers"] for r in read_jsonl(tmp_path / "ppo-spot" / "metrics.jsonl")]
+    assert 1 in workers and workers[-1] == 2
+    assert "name" in removed
