@@ -152,9 +152,11 @@ class Driver:
         scaling_policy: ScalingPolicy | None = None,
         poll_events: bool = True,
         cluster_source: Callable[[], ClusterView] | None = None,
+        event_source: Any = None,
     ):
-        """``cluster_source`` gives cluster snapshots (default: Ray's); tests of the state
-        machine pass a fixed view and ``poll_events=False`` to run without Ray."""
+        """``cluster_source`` gives cluster snapshots and ``event_source`` (an object with
+        ``poll() -> list[Event]``) node events; by default both read Ray. Tests of the
+        state machine pass their own to run without Ray."""
         self.workload = workload
         self._cluster_source = cluster_source or ClusterView.from_ray
         self.config = config
@@ -174,7 +176,7 @@ class Driver:
         self._last_ckpt_step: int | None = None
         self._last_ckpt_time = time.time()
         self._ctx: Context | None = None
-        self._monitor: PreemptionMonitor | None = None
+        self._monitor: Any = event_source
         self._desired: dict[str, int] = {}
 
     # ------------------------------------------------------------ state machine
@@ -252,7 +254,7 @@ class Driver:
         self._ctx = Context(cluster, the_plan, store, self.run_dir, runlog)
         runlog.event("plan", assignments=[a.__dict__ for a in the_plan.assignments])
         self.workload.setup(self._ctx)
-        if self.poll_events:
+        if self.poll_events and self._monitor is None:
             self._monitor = PreemptionMonitor()
         latest = store.latest() if self.config.resume else None
         if latest is not None:

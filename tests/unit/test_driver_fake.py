@@ -185,3 +185,52 @@ def test_tensorboard_scalars_are_written(tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
     assert acc.Scalars("x")[-1].value == pytest.approx(reference(3))
+
+
+class FakePool:
+    """Stands in for an ActorPool in the driver's event handling: where its actors are."""
+
+    def __init__(self, role, nodes):
+        self.role, self._nodes, self.target, self.size = role, nodes, 1, 1
+        self.evacuated = []
+
+    def status(self):
+        return type("S", (), {"nodes": self._nodes})()
+
+    def evacuate(self, node_id, reason):
+        self.evacuated.append((node_id, reason))
+
+
+class ScriptedEvents:
+    """Node events delivered at chosen steps, as the preemption monitor would."""
+
+    def __init__(self, at_step, events, workload):
+        self.at_step, self.events, self.workload = at_step, events, workload
+
+    def poll(self):
+        return self.events if self.workload.applied and self.workload.applied[-1] == self.at_step else []
+
+
+def test_preemption_notice_for_a_stateful_node_checkpoints_at_once(tmp_path):
+    from raylane.preemption import NodeLeaving
+
+    class WithPools(Counter):
+        def __init__(self):
+            super().__init__()
+            self.stateful = FakePool(RoleSpec("thing", {"CPU": 1.0}, count=1, stateful=True), {"od-node": 1})
+            self.stateless = FakePool(RoleSpec("worker", {"CPU": 1.0}, count=1), {"spot-node": 1})
+
+        def pools(self):
+            return {"thing": self.stateful, "worker": self.stateless}
+
+    w = WithPools()
+    events = ScriptedEvents(6, [NodeLeaving("od-node", "on-demand", None), NodeLeaving("spot-node", "spot", 30.0)], w)
+    d = Driver(w, DriverConfig(runs_dir=str(tmp_path), run_name="r", max_steps=12, checkpoint_every_steps=5, progress=False, tensorboard=False),
+               cluster_source=lambda: VIEW, event_source=events)
+    d.run()
+    rows = [json.loads(l) for l in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
+    ckpts = [(e["step"], e["reason"]) for e in rows if e["event"] == "checkpoint"]
+    assert (7, "preemption notice for a node with stateful actors") in ckpts  # step 6 ran as the 7th step
+    assert [s for s, _ in ckpts] == [0, 5, 7, 10, 12]
+    assert w.stateless.evacuated == [("spot-node", "preemption notice")]  # stateless actors move early
+    assert w.stateful.evacuated == []  # stateful ones are checkpointed, then replaced on recovery
