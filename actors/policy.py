@@ -92,6 +92,52 @@ class ActorCritic(nn.Module):
         return e if self.spec.discrete else e.sum(-1)
 
 
+class NumpyPolicy:
+    """Inference with the :class:`ActorCritic` parameters in plain numpy.
+
+    Rollout workers step a handful of envs at a time, where torch's per-call overhead
+    (~190 us for a 64x64 MLP and a distribution object) dwarfs the maths; this path
+    takes ~27 us, which is most of a worker's sampling throughput.
+    """
+
+    def __init__(self, spec: SpaceSpec, params: dict[str, np.ndarray], rng: np.random.Generator):
+        self.spec = spec
+        self.rng = rng
+        self.pi = self._layers(params, "pi")
+        self.v = self._layers(params, "v")
+        self.log_std = np.asarray(params["log_std"], dtype=np.float64) if "log_std" in params else None
+
+    @staticmethod
+    def _layers(params: dict[str, np.ndarray], prefix: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        idx = sorted({int(k.split(".")[1]) for k in params if k.startswith(prefix + ".")})
+        return [(np.asarray(params[f"{prefix}.{i}.weight"], dtype=np.float64).T.copy(), np.asarray(params[f"{prefix}.{i}.bias"], dtype=np.float64)) for i in idx]
+
+    @staticmethod
+    def _mlp(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        for i, (w, b) in enumerate(layers):
+            x = x @ w + b
+            if i < len(layers) - 1:
+                x = np.tanh(x)
+        return x
+
+    def value(self, obs_nd: np.ndarray) -> np.ndarray:
+        return self._mlp(obs_nd, self.v)[:, 0]
+
+    def act(self, obs_nd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(actions, log-probabilities, values) for a batch of observations."""
+        out = self._mlp(obs_nd, self.pi)
+        if self.spec.discrete:
+            z = out - out.max(-1, keepdims=True)
+            logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
+            a = (out + self.rng.gumbel(size=out.shape)).argmax(-1)  # Gumbel-max: a categorical sample
+            logp = np.take_along_axis(logp_all, a[:, None], 1)[:, 0]
+        else:
+            std = np.exp(self.log_std)
+            a = out + std * self.rng.standard_normal(out.shape)
+            logp = (-0.5 * ((a - out) / std) ** 2 - self.log_std - 0.5 * np.log(2 * np.pi)).sum(-1)
+        return a, logp, self.value(obs_nd)
+
+
 class RunningMeanStd:
     """Running mean and variance of observations (parallel-variance merge of batches)."""
 

@@ -123,7 +123,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.net = ActorCritic(cfg.spec, cfg.hidden).to(self.device)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=cfg.lr, eps=1e-5)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=cfg.lr, eps=1e-5, foreach=True)
         self.rms = RunningMeanStd(cfg.spec.obs_dim)
         self.version = 0
         self.gen = torch.Generator().manual_seed(cfg.seed)

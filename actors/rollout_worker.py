@@ -14,7 +14,7 @@ import numpy as np
 import ray
 import torch
 
-from raylane.actors.policy import ActorCritic, RunningMeanStd, SpaceSpec
+from raylane.actors.policy import ActorCritic, NumpyPolicy, RunningMeanStd, SpaceSpec
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ class Sampler:
         self.obs, _ = self.env.reset(seed=self.seeds)
         self.env.action_space.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.net = ActorCritic(cfg.spec, cfg.hidden)
-        self.net.eval()
+        self.rng = np.random.default_rng(cfg.seed)
+        initial = {k: v.numpy() for k, v in ActorCritic(cfg.spec, cfg.hidden).state_dict().items()}
+        self.policy = NumpyPolicy(cfg.spec, initial, self.rng)
         self.rms = RunningMeanStd(cfg.spec.obs_dim)
         self.version = -1
         self.ep_return = np.zeros(cfg.num_envs)
@@ -63,7 +64,7 @@ class Sampler:
     def set_weights(self, weights: dict) -> None:
         if weights["version"] == self.version:
             return
-        self.net.load_state_dict({k: torch.as_tensor(v) for k, v in weights["params"].items()})
+        self.policy = NumpyPolicy(self.cfg.spec, weights["params"], self.rng)
         self.rms.load(weights["obs_rms"])
         self.version = weights["version"]
 
@@ -83,32 +84,27 @@ class Sampler:
         returns, lengths = [], []
         low = np.asarray(spec.act_low, dtype=np.float32) if not spec.discrete else None
         high = np.asarray(spec.act_high, dtype=np.float32) if not spec.discrete else None
-        with torch.no_grad():
-            for t in range(num_steps):
-                raw = self.obs.reshape(n, -1).astype(np.float32)
-                o = self.rms.normalize(raw)
-                ot = torch.from_numpy(o)
-                dist = self.net.dist(ot)
-                a = dist.sample()
-                obs_tnd[t], raw_tnd[t] = o, raw
-                act[t] = a.numpy()
-                logp[t] = self.net.log_prob(dist, a).numpy()
-                val[t] = self.net.value(ot).numpy()
-                step_a = act[t] if spec.discrete else np.clip(act[t], low, high)
-                self.obs, r, te, tr, info = self.env.step(step_a)
-                rew[t], term[t], trunc[t] = r, te, tr
-                self.ep_return += r
-                self.ep_length += 1
-                done = te | tr
-                if done.any():
-                    finals = np.stack([info["final_obs"][i] if done[i] else self.obs[i] for i in range(n)]).reshape(n, -1)
-                    final_val[t] = self.net.value(torch.from_numpy(self._flat(finals))).numpy() * done
-                    for i in np.flatnonzero(done):
-                        returns.append(float(self.ep_return[i]))
-                        lengths.append(int(self.ep_length[i]))
-                    self.ep_return[done] = 0.0
-                    self.ep_length[done] = 0
-            last_val = self.net.value(torch.from_numpy(self._flat(self.obs))).numpy()
+        for t in range(num_steps):
+            raw = self.obs.reshape(n, -1).astype(np.float32)
+            o = self.rms.normalize(raw)
+            a, lp, v = self.policy.act(o)
+            obs_tnd[t], raw_tnd[t] = o, raw
+            act[t], logp[t], val[t] = a, lp, v
+            step_a = act[t] if spec.discrete else np.clip(act[t], low, high)
+            self.obs, r, te, tr, info = self.env.step(step_a)
+            rew[t], term[t], trunc[t] = r, te, tr
+            self.ep_return += r
+            self.ep_length += 1
+            done = te | tr
+            if done.any():
+                finals = np.stack([info["final_obs"][i] if done[i] else self.obs[i] for i in range(n)]).reshape(n, -1)
+                final_val[t] = self.policy.value(self._flat(finals)) * done
+                for i in np.flatnonzero(done):
+                    returns.append(float(self.ep_return[i]))
+                    lengths.append(int(self.ep_length[i]))
+                self.ep_return[done] = 0.0
+                self.ep_length[done] = 0
+        last_val = self.policy.value(self._flat(self.obs))
         return {
             "obs": obs_tnd, "raw_obs": raw_tnd, "actions": act, "logp": logp, "values": val, "rewards": rew,
             "terminated": term, "truncated": trunc, "final_values": final_val, "last_values": last_val,

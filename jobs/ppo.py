@@ -43,7 +43,7 @@ class PPOConfig:
     """Rollout worker actors."""
     max_workers: int = cfg.field(16, ge=1)
     """Most rollout workers the pool may grow to."""
-    envs_per_worker: int = cfg.field(4, ge=1)
+    envs_per_worker: int = cfg.field(8, ge=1)
     """Environment copies per worker, stepped as one vector env."""
     rollout_steps: int = cfg.field(32, ge=1)
     """Steps of every env copy per iteration (batch = workers x envs_per_worker x rollout_steps)."""
@@ -53,7 +53,7 @@ class PPOConfig:
     """Stop after this many environment steps."""
     target_return: float | None = 475.0
     """Stop once the mean return of the last 100 episodes reaches this; null to run all steps."""
-    lr: float = cfg.field(1e-3, gt=0)
+    lr: float = cfg.field(2e-3, gt=0)
     """Adam learning rate."""
     anneal: bool = True
     """Anneal learning rate and clip range linearly over total_env_steps."""
@@ -63,7 +63,7 @@ class PPOConfig:
     """GAE lambda."""
     clip: float = cfg.field(0.2, gt=0)
     """PPO clip range."""
-    epochs: int = cfg.field(20, ge=1)
+    epochs: int = cfg.field(10, ge=1)
     """Passes over each batch."""
     minibatches: int = cfg.field(1, ge=1)
     """Minibatches per epoch."""
@@ -81,6 +81,10 @@ class PPOConfig:
     """Multiply rewards by this before computing advantages (0.1 suits Pendulum's -16..0 rewards)."""
     hidden: list[int] = cfg.field(default_factory=lambda: [64, 64], ge=1)
     """Hidden layer sizes of the policy and value networks."""
+    overlap: bool = True
+    """Sample the next batch while the learner updates on this one. The next batch then
+    comes from the policy one update old; PPO's ratio against the recorded behaviour
+    log-probabilities accounts for that, and sampling time disappears from the loop."""
     sample_timeout_s: float = cfg.field(60.0, gt=0)
     """Deadline for one iteration's sampling; workers that miss it are left out of that iteration."""
     seed: int = 0
@@ -127,6 +131,7 @@ class PPOWorkload:
         self.learner: ActorPool | None = None
         self._weights_ref = None
         self._seeds_logged: set[int] = set()
+        self._inflight: list[int] | None = None
         self._ctx: Context | None = None
 
     # ---------------------------------------------------------------- roles and set-up
@@ -172,19 +177,27 @@ class PPOWorkload:
 
     # ---------------------------------------------------------------- one iteration
 
-    def step(self, step: int) -> dict[str, Any]:
-        assert self.workers is not None and self.learner is not None and self._ctx is not None
+    def _submit_samples(self) -> list[int]:
+        assert self.workers is not None
         c = self.config
-        t0 = time.perf_counter()
         ready = len(self.workers.actors())
         if ready == 0:
             self.workers.wait_ready(timeout_s=c.sample_timeout_s)
             ready = len(self.workers.actors())
-        tickets = [self.workers.submit("sample", self._weights_ref, c.rollout_steps, retry=False) for _ in range(ready)]
+        return [self.workers.submit("sample", self._weights_ref, c.rollout_steps, retry=False) for _ in range(ready)]
+
+    def step(self, step: int) -> dict[str, Any]:
+        assert self.workers is not None and self.learner is not None and self._ctx is not None
+        c = self.config
+        t0 = time.perf_counter()
+        tickets = self._inflight or self._submit_samples()
+        self._inflight = None
         done = self.workers.gather(tickets, timeout_s=c.sample_timeout_s, partial=True)
         if not done:
             raise PoolError(f"no rollout worker returned samples within sample_timeout_s={c.sample_timeout_s:g} s")
         batches = [done[t] for t in tickets if t in done]
+        if c.overlap:
+            self._inflight = self._submit_samples()
         t1 = time.perf_counter()
         new_steps = 0
         for b in batches:
@@ -237,6 +250,7 @@ class PPOWorkload:
         self.env_steps = int(state["env_steps"])
         self.episodes = int(state["episodes"])
         self.returns = deque((float(x) for x in state["returns"]), maxlen=RETURN_WINDOW)
+        self._inflight = None  # samples in flight came from weights that were just replaced
         self._refresh_weights()
 
     def pools(self) -> dict[str, ActorPool]:

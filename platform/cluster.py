@@ -148,7 +148,11 @@ class ClusterView:
         from raylane import raystate
 
         infos = []
-        for raw in raystate.nodes():
+        raws = raystate.nodes()
+        # Speed is relative: on a one-node cluster there is nothing to compare, so the
+        # calibration task (a worker process start, ~1 s) is skipped.
+        calibrate = calibrate and sum(1 for r in raws if r.alive) > 1
+        for raw in raws:
             if not raw.alive and not include_dead:
                 continue
             market = raw.labels.get(MARKET_LABEL, "on-demand")

@@ -95,5 +95,5 @@ def test_sigkilled_ppo_driver_resumes_at_the_last_checkpointed_iteration(tmp_pat
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     after = [r for r in rows if r["step"] == last.step + 1]
     # the first iteration after the restart continues the env-step count of the checkpoint
-    assert after[-1]["env_steps"] == saved["workload"]["env_steps"] + 2 * 4 * 32
+    assert after[-1]["env_steps"] == saved["workload"]["env_steps"] + 2 * 8 * 32
     assert summary["final_metrics"]["env_steps"] >= 40000

@@ -149,3 +149,22 @@ def test_unsupported_spaces_are_refused_naming_the_space():
 def test_bad_ppo_config_is_refused(override, message):
     with pytest.raises(cfg.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         cfg.load_config(PPOConfig, overrides=[override])
+
+
+@pytest.mark.parametrize("spec", [SpaceSpec(5, True, 3), SpaceSpec(5, False, 2, (-1.0, -1.0), (1.0, 1.0))])
+def test_numpy_inference_matches_the_torch_network(spec):
+    from raylane.actors.policy import NumpyPolicy
+
+    torch.manual_seed(1)
+    net = ActorCritic(spec, (16, 16))
+    if not spec.discrete:
+        with torch.no_grad():
+            net.log_std.fill_(-0.5)
+    pol = NumpyPolicy(spec, {k: v.numpy() for k, v in net.state_dict().items()}, np.random.default_rng(0))
+    obs = np.random.default_rng(2).normal(size=(7, 5)).astype(np.float32)
+    a, logp, v = pol.act(obs)
+    with torch.no_grad():
+        ot = torch.from_numpy(obs)
+        ref_logp = net.log_prob(net.dist(ot), torch.as_tensor(a, dtype=torch.int64 if spec.discrete else torch.float32))
+        np.testing.assert_allclose(logp, ref_logp.numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(v, net.value(ot).numpy(), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,156 @@
+"""XGBoost trainers: one data shard per actor, joined through xgboost's own collective.
+
+Where it lives: any node with ``nthread`` free CPUs (the trainer role is stateful, so on-demand
+nodes first). What is copied into it: its slice of the config (a :class:`TrainerConfig`:
+the table spec, not the data), then one :class:`Shard` through :meth:`XGBoostTrainer.load`,
+whose rows it reads itself. The driver never ships rows.
+
+:meth:`XGBoostTrainer.train` streams chunks of boosting rounds from inside one
+``xgboost.collective.CommunicatorContext``, with the tracker the driver started for the
+group; every trainer of the group must be in the same call. What a failure means: if one
+trainer dies mid-chunk, the others leave the collective with an ``XGBoostError`` (their
+sockets to the dead peer close), keep their shard in memory, and can join the next group.
+Their quantile cuts, though, were agreed with the old group, so every trainer rebuilds its
+matrices when the driver starts a new group (a new ``group`` number).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from raylane.actors.tabular import TableSpec, eval_mask, read_rows
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The slice of the job a trainer needs: what to read and how to build and train."""
+
+    table: TableSpec
+    """Where the rows are; the trainer reads its own range."""
+    eval_fraction: float
+    """Share of rows held out for evaluation (per row, by hash of its index and ``seed``)."""
+    seed: int
+    """Seed of the evaluation split."""
+    nthread: int
+    """Threads for matrix building and boosting (also the CPUs the actor reserves)."""
+    quantile: bool = True
+    """Build a ``QuantileDMatrix`` (the ``hist`` method); False: a plain ``DMatrix`` (``approx``)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows ``[start, stop)`` of the table, the ``index``-th shard (and collective rank)."""
+
+    index: int
+    start: int
+    stop: int
+
+
+@ray.remote
+class XGBoostTrainer:
+    """Holds one shard (train and eval rows as arrays) and the matrices built from them."""
+
+    def __init__(self, config: TrainerConfig):
+        self.config = config
+        self.shard: Shard | None = None
+        self._train: tuple[np.ndarray, np.ndarray] | None = None
+        self._eval: tuple[np.ndarray, np.ndarray] | None = None
+        self._matrices: dict[str, Any] = {}
+        self._group: int | None = None  # the group whose collective agreed the matrices' cuts
+        self.loads = 0
+
+    def where(self) -> dict[str, Any]:
+        """Node, process and shard of this trainer."""
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "shard": None if self.shard is None else self.shard.index, "loads": self.loads}
+
+    def load(self, shard: Shard) -> dict[str, Any]:
+        """Read rows ``[shard.start, shard.stop)`` and split off the evaluation rows."""
+        t0 = time.perf_counter()
+        c = self.config
+        self.shard, self._train, self._eval, self._matrices, self._group = None, None, None, {}, None
+        x, y = read_rows(c.table, shard.start, shard.stop)
+        held_out = eval_mask(c.seed, shard.start, shard.stop, c.eval_fraction)
+        if held_out.any():
+            self._train, self._eval = (x[~held_out], y[~held_out]), (x[held_out], y[held_out])
+        else:
+            self._train, self._eval = (x, y), (x[:0], y[:0])
+        if len(self._train[1]) == 0:
+            raise ValueError(f"shard {shard.index} (rows {shard.start}..{shard.stop}) has no training rows after the evaluation split; lower data.eval_fraction or use fewer trainers")
+        self.shard = shard
+        self.loads += 1
+        return {**self.where(), "train_rows": len(self._train[1]), "eval_rows": len(self._eval[1]), "seconds": time.perf_counter() - t0}
+
+    def _build(self, evals: tuple[str, ...]) -> None:
+        import xgboost as xgb
+
+        n = self.config.nthread
+        x, y = self._train
+        if self.config.quantile:
+            # Inside the collective: the quantile sketch is merged across all trainers here.
+            dtrain = xgb.QuantileDMatrix(x, y, nthread=n)
+            make_eval = lambda xe, ye: xgb.QuantileDMatrix(xe, ye, ref=dtrain, nthread=n)  # noqa: E731 - the training cuts
+        else:
+            dtrain = xgb.DMatrix(x, y, nthread=n)
+            make_eval = lambda xe, ye: xgb.DMatrix(xe, ye, nthread=n)  # noqa: E731
+        self._matrices = {"dtrain": dtrain}
+        if "train" in evals:
+            self._matrices["train"] = dtrain
+        if "eval" in evals:
+            self._matrices["eval"] = make_eval(*self._eval)
+
+    @ray.method(num_returns="streaming")
+    def train(self, comm_args: dict[str, Any], group: int, model: bytes | None, start_round: int, rounds: int, chunk: int, params: dict[str, Any], evals: tuple[str, ...]):
+        """Boost rounds ``start_round .. start_round + rounds`` from ``model`` (UBJ bytes) with
+        the group, yielding after every ``chunk`` rounds.
+
+        One collective session for the whole stream: the group keeps boosting while the
+        driver checkpoints the chunk it just received. Each item holds the round reached,
+        that chunk's per-round metrics (already aggregated over the group by xgboost),
+        timings, and on rank 0 the model as UBJ bytes.
+        """
+        import xgboost as xgb
+        from xgboost import collective
+
+        if self.shard is None:
+            raise RuntimeError("train called before load: this trainer holds no shard")
+        booster = None if model is None else xgb.Booster(model_file=bytearray(model))
+        have = 0 if booster is None else booster.num_boosted_rounds()
+        if have != start_round:
+            raise ValueError(f"the model given has {have} rounds, expected {start_round}")
+        with collective.CommunicatorContext(**comm_args, dmlc_task_id=f"{self.shard.index:06d}"):
+            build_s = 0.0
+            if self._group != group or set(evals) - set(self._matrices):
+                self._group = None
+                t0 = time.perf_counter()
+                self._build(evals)
+                build_s = time.perf_counter() - t0
+                self._group = group
+            rank = collective.get_rank()
+            done = start_round
+            while done < start_round + rounds:
+                t0 = time.perf_counter()
+                n = min(chunk, start_round + rounds - done)
+                history: dict[str, dict[str, list[float]]] = {}
+                booster = xgb.train(
+                    {**params, "nthread": self.config.nthread},
+                    self._matrices["dtrain"],
+                    num_boost_round=n,
+                    evals=[(self._matrices[name], name) for name in evals],
+                    evals_result=history,
+                    xgb_model=booster,
+                    verbose_eval=False,
+                )
+                done += n
+                raw = bytes(booster.save_raw("ubj"))
+                item = {"shard": self.shard.index, "rank": rank, "round": done, "history": history, "seconds": time.perf_counter() - t0, "build_s": build_s, "model_sha256": hashlib.sha256(raw).hexdigest()}
+                if rank == 0:  # every rank holds the same model (the digest proves it); one copy travels
+                    item["model"] = raw
+                build_s = 0.0
+                yield item
