@@ -2,7 +2,7 @@
 raylane's sampling against a plain gymnasium loop without Ray (the ceiling).
 
 All runs share one process tree and one local Ray, with the same number of env
-runners (2) and envs per runner (4). RLlib uses its tuned CartPole-v1 example
+runners (2) and envs per runner (8, raylane's default). RLlib uses its tuned CartPole-v1 example
 settings (lr 3e-4, 6 epochs, vf_loss_coeff 0.01, one hidden layer of 32, linear,
 shared value layers). Needs `pip install "ray[rllib]"` for the RLlib part.
 
@@ -18,7 +18,7 @@ import time
 import numpy as np
 import ray
 
-WORKERS, ENVS, TARGET = 2, 4, 475.0
+WORKERS, ENVS, TARGET = 2, 8, 475.0
 
 
 def ceiling_env_only(steps: int) -> float:
@@ -34,7 +34,7 @@ def ceiling_env_only(steps: int) -> float:
 
 
 def ceiling_with_policy(steps: int) -> float:
-    """The same rollout code raylane's workers run, in this process, one vector env of 8."""
+    """The same rollout code raylane's workers run, in this process, one vector env of all the envs."""
     from raylane.actors.rollout_worker import RolloutConfig, Sampler
     from raylane.jobs.ppo import check_env
 
@@ -48,7 +48,7 @@ def ceiling_with_policy(steps: int) -> float:
 
 
 def raylane_sampling(steps: int) -> float:
-    """Two rollout-worker actors of 4 envs each, sampled through raylane's pool."""
+    """The rollout-worker actors, sampled through raylane's pool."""
     from raylane.actors.ppo_learner import Learner, LearnerConfig
     from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
     from raylane.jobs.ppo import check_env
@@ -123,8 +123,8 @@ def main() -> None:
     env_only = ceiling_env_only(args.sample_steps)
     with_policy = ceiling_with_policy(args.sample_steps)
     pooled = raylane_sampling(args.sample_steps)
-    print(f"sampling steps/s: gymnasium SyncVectorEnv (8 envs, random actions) {env_only:,.0f}; "
-          f"same loop with the policy, one process {with_policy:,.0f}; raylane 2 workers x 4 envs {pooled:,.0f}")
+    print(f"sampling steps/s: gymnasium SyncVectorEnv ({WORKERS * ENVS} envs, random actions) {env_only:,.0f}; "
+          f"same loop with the policy, one process {with_policy:,.0f}; raylane {WORKERS} workers x {ENVS} envs {pooled:,.0f}")
     print(f"  raylane / ceiling (with policy) = {pooled / with_policy:.2f}; raylane / env-only = {pooled / env_only:.2f}")
 
     r_wall, r_steps, r_ret = raylane_solve(args.cap_s)
