@@ -177,8 +177,12 @@ def test_driver_finishes_through_spot_preemptions_with_exact_result(spot_cluster
     steps_seen: list[int] = []
     original_step = workload.step
 
+    node_back = threading.Event()
+
     def step(i):
         steps_seen.append(i)
+        if i == 58:  # hold the run until capacity is back, so the regrowth is observed
+            assert node_back.wait(timeout=90)
         return original_step(i)
 
     workload.step = step
@@ -193,6 +197,7 @@ def test_driver_finishes_through_spot_preemptions_with_exact_result(spot_cluster
         while len(steps_seen) < 55:
             time.sleep(0.05)
         spot_cluster.add_node("spot", speed=2.0, cpus=2, name="spot-fast")  # capacity comes back
+        node_back.set()
 
     t = threading.Thread(target=chaos, daemon=True)
     t.start()
