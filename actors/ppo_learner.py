@@ -9,6 +9,7 @@ holds; the rollout workers hold nothing that matters.
 
 from __future__ import annotations
 
+import copy
 import io
 from dataclasses import dataclass
 
@@ -131,14 +132,14 @@ class Learner:
     def weights(self) -> dict:
         """What rollout workers need: parameters (numpy, CPU), observation stats, version."""
         params = {k: v.detach().cpu().numpy() for k, v in self.net.state_dict().items()}
-        rms = self.rms.state() if self.cfg.normalize_obs else RunningMeanStd(self.cfg.spec.obs_dim).state()
-        return {"version": self.version, "params": params, "obs_rms": rms}
+        return {"version": self.version, "params": params, "obs_rms": self.rms.state(), "normalize": self.cfg.normalize_obs}
 
     def update(self, batches: list[dict], progress: float = 0.0) -> dict[str, float]:
         """One PPO iteration on the workers' batches; returns loss statistics.
 
-        A non-finite loss is reported and *not* applied, so the weights (and the next
-        checkpoint) never carry NaN.
+        A non-finite loss stops the update: the parameters and optimizer go back to
+        where they were before this call and the loss is reported as NaN, so the weights
+        (and any later checkpoint) never carry NaN.
         """
         c = self.cfg
         frac = max(0.0, 1.0 - progress) if c.anneal else 1.0
@@ -158,6 +159,8 @@ class Learner:
         data = {k: torch.as_tensor(np.concatenate(v)).to(self.device) for k, v in cols.items() if k != "raw_obs"}
         n = data["obs"].shape[0]
         mb = max(1, n // c.minibatches)
+        before_net = {k: v.clone() for k, v in self.net.state_dict().items()}
+        before_opt = copy.deepcopy(self.opt.state_dict())
         stats: dict[str, float] = {}
         losses = []
         for _ in range(c.epochs):
@@ -169,6 +172,8 @@ class Learner:
                     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
                 loss, stats = ppo_loss(self.net, data["obs"][idx], data["actions"][idx], data["logp"][idx], adv, data["ret"][idx], clip=clip, vf_coef=c.vf_coef, ent_coef=c.ent_coef)
                 if not torch.isfinite(loss):
+                    self.net.load_state_dict(before_net)
+                    self.opt.load_state_dict(before_opt)
                     return {"loss": float("nan"), **stats, "applied": 0.0}
                 self.opt.zero_grad()
                 loss.backward()

@@ -57,19 +57,22 @@ class Sampler:
         initial = {k: v.numpy() for k, v in ActorCritic(cfg.spec, cfg.hidden).state_dict().items()}
         self.policy = NumpyPolicy(cfg.spec, initial, self.rng)
         self.rms = RunningMeanStd(cfg.spec.obs_dim)
+        self.normalize = False
         self.version = -1
         self.ep_return = np.zeros(cfg.num_envs)
         self.ep_length = np.zeros(cfg.num_envs, dtype=np.int64)
 
     def set_weights(self, weights: dict) -> None:
-        if weights["version"] == self.version:
-            return
+        # Always load: after a recovery the learner reuses version numbers with other
+        # parameters, so a version check could keep stale weights (and loading is ~us).
+        self.normalize = bool(weights.get("normalize", True))
         self.policy = NumpyPolicy(self.cfg.spec, weights["params"], self.rng)
         self.rms.load(weights["obs_rms"])
         self.version = weights["version"]
 
     def _flat(self, obs: np.ndarray) -> np.ndarray:
-        return self.rms.normalize(obs.reshape(obs.shape[0], -1))
+        flat = obs.reshape(obs.shape[0], -1)
+        return self.rms.normalize(flat) if self.normalize else flat.astype(np.float32)
 
     def sample(self, num_steps: int) -> dict:
         """``num_steps`` steps of every env copy: arrays shaped [T, N, ...] plus finished episodes."""
@@ -86,7 +89,7 @@ class Sampler:
         high = np.asarray(spec.act_high, dtype=np.float32) if not spec.discrete else None
         for t in range(num_steps):
             raw = self.obs.reshape(n, -1).astype(np.float32)
-            o = self.rms.normalize(raw)
+            o = self.rms.normalize(raw) if self.normalize else raw
             a, lp, v = self.policy.act(o)
             obs_tnd[t], raw_tnd[t] = o, raw
             act[t], logp[t], val[t] = a, lp, v

@@ -170,10 +170,17 @@ class PPOWorkload:
         self.workers.wait_ready(timeout_s=180)
         self._refresh_weights()
 
-    def _refresh_weights(self) -> None:
+    def _learner_call(self, method: str, *args: Any) -> Any:
+        """A call that must reach the one live learner (its state is the job's state)."""
         assert self.learner is not None
-        (weights,) = self.learner.call_all("weights", timeout_s=60)
-        self._weights_ref = ray.put(weights)
+        self.learner.wait_for(1, timeout_s=180)
+        results = self.learner.call_all(method, *args, timeout_s=300, require_all=True)
+        if len(results) != 1:
+            raise PoolError(f"expected one learner to answer {method!r}, got {len(results)}")
+        return results[0]
+
+    def _refresh_weights(self) -> None:
+        self._weights_ref = ray.put(self._learner_call("weights"))
 
     # ---------------------------------------------------------------- one iteration
 
@@ -234,23 +241,21 @@ class PPOWorkload:
     # ---------------------------------------------------------------- state and faults
 
     def state_dict(self) -> dict:
-        assert self.learner is not None
-        (learner_state,) = self.learner.call_all("state", timeout_s=120)
         return {
-            "learner": learner_state,
+            "learner": self._learner_call("state"),
             "env_steps": self.env_steps,
             "episodes": self.episodes,
             "returns": list(self.returns),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        assert self.learner is not None
-        self.learner.wait_ready(timeout_s=180)
-        self.learner.call_all("load_state", state["learner"], timeout_s=120)
+        self._learner_call("load_state", state["learner"])
         self.env_steps = int(state["env_steps"])
         self.episodes = int(state["episodes"])
         self.returns = deque((float(x) for x in state["returns"]), maxlen=RETURN_WINDOW)
-        self._inflight = None  # samples in flight came from weights that were just replaced
+        if self._inflight and self.workers is not None:
+            self.workers.cancel(self._inflight)  # sampled with weights that were just replaced
+        self._inflight = None
         self._refresh_weights()
 
     def pools(self) -> dict[str, ActorPool]:
@@ -265,8 +270,8 @@ class PPOWorkload:
         # The pools already replace dead actors; a lost learner comes back empty and the
         # driver reloads the last checkpoint into it right after this.
         assert self.learner is not None and self.workers is not None
-        self.learner.wait_ready(timeout_s=180)
-        self.workers.wait_ready(timeout_s=180)
+        self.learner.wait_for(1, timeout_s=180)
+        self.workers.wait_for(1, timeout_s=180)  # not the full target: capacity may be gone
 
     def finish(self, ctx: Context) -> None:
         if self.config.plot:

@@ -97,7 +97,7 @@ def run(
     set_: List[str] = typer.Option([], "--set", "-s", help="Override a config key: key=value (repeatable)."),
     address: Optional[str] = typer.Option(None, help=ADDRESS_HELP),
     run_name: Optional[str] = typer.Option(None, help="Run name; the same name again resumes from its latest checkpoint."),
-    progress: bool = typer.Option(True, help="Show the live progress bar."),
+    progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help="Show the live progress bar (default: the config's driver.progress)."),
     dashboard: bool = typer.Option(False, help="Start the Ray dashboard (bound to 127.0.0.1) with the embedded Ray."),
 ) -> None:
     """Run a job: on an embedded local Ray, or on the cluster at --address."""

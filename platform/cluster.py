@@ -158,9 +158,13 @@ class ClusterView:
             market = raw.labels.get(MARKET_LABEL, "on-demand")
             speed, source = _label_speed(raw.node_id, raw.labels)
             if speed is None:
-                speed, source = 1.0, "default"
-                if calibrate and raw.alive and not raw.draining:
+                cached = raystate.kv_get(f"speed:{raw.node_id}")
+                if cached is not None:
+                    speed, source = float(cached), "measured"
+                elif calibrate and raw.alive and not raw.draining:
                     speed, source = node_speed(raw.node_id, timeout_s=calibration_timeout_s)
+                else:
+                    speed, source = 1.0, "default"
             accel = next((k.split(":", 1)[1] for k in raw.total if k.startswith("accelerator_type:")), None)
             record = raystate.drain_record(raw.node_id) if raw.draining else None
             infos.append(

@@ -171,6 +171,7 @@ class Driver:
         self.step = 0
         self.failures: list[Failure] = []
         self.checkpoints_written = 0
+        self.recoveries = 0
         self.resumed_from: int | None = None
         self.last_metrics: dict[str, Any] = {}
         self._last_ckpt_step: int | None = None
@@ -204,28 +205,29 @@ class Driver:
             self._initialize(runlog, store)
             self._to(State.RUNNING, "initialized")
             while self.state is State.RUNNING:
-                if self._should_stop(started):
-                    self._checkpoint(final=True)
-                    self._finish()
-                    self._to(State.FINISHED, "stop condition reached")
-                    break
                 try:
+                    if self._should_stop(started):
+                        self._checkpoint(final=True)
+                        self._finish()
+                        self._to(State.FINISHED, "stop condition reached")
+                        break
                     metrics = self.workload.step(self.step)
-                except Exception as exc:  # noqa: BLE001 - every failure goes through the policy
+                    self._check_finite(metrics)
+                    self.step += 1
+                    self.last_metrics = metrics
+                    runlog.metrics(self.step, metrics)
+                    progress.update(self.step, metrics)
+                    notice = self._handle_events()
+                    self._settle_pools()
+                    self._checkpoint(notice=notice)
+                    if self.workload.done(self.step, metrics):
+                        self._checkpoint(final=True)
+                        self._finish()
+                        self._to(State.FINISHED, "workload reached its target")
+                except (NonFiniteError, DriverError, KeyboardInterrupt):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - every other failure goes through the policy
                     self._recover(exc)
-                    continue
-                self._check_finite(metrics)
-                self.step += 1
-                self.last_metrics = metrics
-                runlog.metrics(self.step, metrics)
-                progress.update(self.step, metrics)
-                notice = self._handle_events()
-                self._settle_pools()
-                self._checkpoint(notice=notice)
-                if self.workload.done(self.step, metrics):
-                    self._checkpoint(final=True)
-                    self._finish()
-                    self._to(State.FINISHED, "workload reached its target")
         except BaseException as exc:
             error = exc
             if self.state not in (State.FINISHED, State.FAILED):
@@ -256,6 +258,11 @@ class Driver:
         self.workload.setup(self._ctx)
         if self.poll_events and self._monitor is None:
             self._monitor = PreemptionMonitor()
+        if not self.config.resume and store.steps():
+            raise DriverError(
+                f"run {self.run_name!r} already has checkpoints (steps {store.steps()}) in {store.uri}; "
+                "set driver.resume=true to continue it, or choose another run name to start over"
+            )
         latest = store.latest() if self.config.resume else None
         if latest is not None:
             self._load(latest.step)
@@ -264,7 +271,7 @@ class Driver:
         else:
             # The initial state, so that a failure before the first periodic checkpoint
             # still has something consistent to recover to.
-            self._checkpoint()
+            self._checkpoint(force="initial state")
 
     def _load(self, step: int) -> None:
         assert self._ctx is not None
@@ -288,7 +295,11 @@ class Driver:
     def _check_finite(self, metrics: dict[str, Any]) -> None:
         for key in self.workload.guarded_metrics:
             value = metrics.get(key)
-            if isinstance(value, (int, float)) and not math.isfinite(value):
+            try:
+                value = float(value)  # plain, numpy and 0-d tensor numbers alike
+            except (TypeError, ValueError):
+                continue
+            if not math.isfinite(value):
                 raise NonFiniteError(
                     f"metric {key!r} is {value} at step {self.step + 1}; the step's update was not checkpointed. "
                     f"{self._ckpt_hint()} Lower the learning rate or check the inputs, then run again with the same run name."
@@ -300,10 +311,10 @@ class Driver:
         latest = self._ctx.store.latest()
         return f"The last good checkpoint is step {latest.step} at {latest.path}." if latest else "No checkpoint was written."
 
-    def _checkpoint(self, *, notice: bool = False, final: bool = False) -> None:
+    def _checkpoint(self, *, notice: bool = False, final: bool = False, force: str = "") -> None:
         assert self._ctx is not None
         status = CheckpointStatus(self.step, self._last_ckpt_step, self._last_ckpt_time, time.time(), notice=notice, final=final)
-        save, why = self.checkpoint_policy.decide(status)
+        save, why = (True, force) if force else self.checkpoint_policy.decide(status)
         if not save:
             return
         t0 = time.time()
@@ -313,20 +324,28 @@ class Driver:
         self._ctx.log.event("checkpoint", step=self.step, reason=why, seconds=time.time() - t0)
 
     def _recover(self, exc: BaseException) -> None:
+        """RECOVERING: let the failure policy decide; rebuild and reload until it works or
+        the policy gives up (a failure while recovering counts as another failure)."""
         assert self._ctx is not None
         self._to(State.RECOVERING, f"{type(exc).__name__} at step {self.step}")
-        role = getattr(exc, "role", None) or "workload"
-        self.failures.append(Failure(role, getattr(exc, "actor", "?"), f"{type(exc).__name__}: {exc}", self.step, time.time()))
-        decision = self.failure_policy.decide(self.failures, recoverable=is_recoverable(exc))
-        self._ctx.log.event("failure", step=self.step, error=str(exc)[:2000], decision=decision.action, reason=decision.reason)
-        if decision.action == "fail":
-            self._to(State.FAILED, decision.reason)
-            raise DriverError(f"run {self.run_name!r} failed at step {self.step}: {decision.reason}\n{self._ckpt_hint()}") from exc
-        self._ctx.cluster = self._cluster_source()
-        self.workload.recover(self._ctx, exc)
-        latest = self._ctx.store.latest()
-        if latest is not None:
-            self._load(latest.step)
+        while True:
+            role = getattr(exc, "role", None) or "workload"
+            self.failures.append(Failure(role, getattr(exc, "actor", "?"), f"{type(exc).__name__}: {exc}", self.step, time.time()))
+            decision = self.failure_policy.decide(self.failures, recoverable=is_recoverable(exc))
+            self._ctx.log.event("failure", step=self.step, role=role, error=str(exc)[:2000], decision=decision.action, reason=decision.reason)
+            if decision.action == "fail":
+                self._to(State.FAILED, decision.reason)
+                raise DriverError(f"run {self.run_name!r} failed at step {self.step}: {decision.reason}\n{self._ckpt_hint()}") from exc
+            try:
+                self._ctx.cluster = self._cluster_source()
+                self.workload.recover(self._ctx, exc)
+                latest = self._ctx.store.latest()
+                if latest is not None:
+                    self._load(latest.step)
+                break
+            except Exception as again:  # noqa: BLE001 - judged by the policy on the next turn
+                exc = again
+        self.recoveries += 1
         self._to(State.RUNNING, f"recovered from step {self.step}")
 
     def _handle_events(self) -> bool:
@@ -341,6 +360,10 @@ class Driver:
         stateful_roles = {r.name for r in self.workload.roles() if r.stateful}
         for ev in events:
             self._ctx.log.event(type(ev).__name__, node=ev.node_id, market=ev.market, deadline=getattr(ev, "deadline", None))
+            if isinstance(ev, NodeLost):
+                for pool in pools.values():
+                    if pool.status().nodes.get(ev.node_id, 0):
+                        pool.evacuate(ev.node_id, "node lost")
             if isinstance(ev, NodeLeaving):
                 for name, pool in pools.items():
                     if not pool.status().nodes.get(ev.node_id, 0):
@@ -387,7 +410,7 @@ class Driver:
             "wall_time_s": round(time.time() - started, 3),
             "final_metrics": self.last_metrics,
             "resumed_from": self.resumed_from,
-            "failures_recovered": sum(1 for _ in self.failures) - (1 if self.state is State.FAILED and self.failures else 0),
+            "failures_recovered": self.recoveries,
             "checkpoints_written": self.checkpoints_written,
             "error": None if error is None else f"{type(error).__name__}: {error}",
             "run_dir": str(self.run_dir),

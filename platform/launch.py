@@ -17,10 +17,12 @@ from raylane.registry import JobSpec
 
 def load_job_config(spec: JobSpec, *, config_file: str | None = None, overrides: Sequence[str] = (), run_name: str | None = None, progress: bool | None = None) -> Any:
     """The job's validated config: defaults <- YAML file <- ``--set`` overrides."""
-    extra = list(overrides)
+    conf = cfg.load_config(spec.config_cls, yaml_path=config_file, overrides=list(overrides))
+    # Set directly, not as an override: a run name like 2024-05-01 or 123 is a name, not YAML.
     if run_name is not None:
-        extra.append(f"driver.run_name={run_name}")
-    conf = cfg.load_config(spec.config_cls, yaml_path=config_file, overrides=extra)
+        if not run_name.strip() or "/" in run_name:
+            raise cfg.ConfigError(f"--run-name {run_name!r}: give a non-empty name without '/'")
+        conf.driver.run_name = run_name
     if progress is not None and hasattr(conf, "driver"):
         conf.driver.progress = progress
     return conf

@@ -198,7 +198,7 @@ def _assign(role: RoleSpec, usable: Sequence[NodeInfo], free: dict[str, dict[str
         if pick is None:
             if i >= lo:
                 break  # an elastic role takes what fits above its minimum
-            raise PlacementError(_no_room(role, i, usable, free))
+            raise PlacementError(_no_room(role, lo, i, usable, free))
         node, need = pick
         _take(free[node.node_id], need)
         placed[node.node_id] += 1
@@ -301,12 +301,12 @@ def _fmt(res: Mapping[str, float]) -> str:
     return ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if v) or "nothing"
 
 
-def _no_room(role: RoleSpec, placed: int, nodes: Sequence[NodeInfo], free: Mapping[str, Mapping[str, float]]) -> str:
+def _no_room(role: RoleSpec, wanted: int, placed: int, nodes: Sequence[NodeInfo], free: Mapping[str, Mapping[str, float]]) -> str:
     need = dict(role.resources)
     if role.accelerator == "require":
         need["GPU"] = max(need.get("GPU", 0.0), 1.0)
     lines = [
-        f"role {role.name!r} needs {role.lo} actor(s) of {{{_fmt(need)}}} but only {placed} fit.",
+        f"role {role.name!r} needs {wanted} actor(s) of {{{_fmt(need)}}} but only {placed} fit.",
     ]
     if not nodes:
         lines.append("No alive, non-draining nodes in the cluster.")

@@ -36,8 +36,10 @@ from ray.exceptions import (
     GetTimeoutError,
     NodeDiedError,
     ObjectLostError,
+    OutOfMemoryError,
     RayActorError,
     RayTaskError,
+    TaskCancelledError,
     WorkerCrashedError,
 )
 
@@ -46,11 +48,14 @@ from raylane.placement import PlacementError, RoleSpec, place_more, ray_options
 log = logging.getLogger(__name__)
 
 # Errors that mean "the actor (or its node) is gone", as opposed to a bug in the method.
-LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError)
+LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError, OutOfMemoryError, TaskCancelledError)
 
 
 class PoolError(RuntimeError):
-    """The pool cannot finish the work asked of it; the message says why and what to change."""
+    """The pool cannot finish the work asked of it; the message says why and what to change.
+    ``role`` names the pool's role, so the driver's failure policy can count per role."""
+
+    role: str | None = None
 
 
 class CallTimeoutError(PoolError, TimeoutError):
@@ -62,6 +67,7 @@ class WorkError(PoolError):
 
     def __init__(self, method: str, errors: dict[str, list[str]]):
         self.errors = errors
+        self.method = method
         parts = [f"{len(actors)} call(s) of {method!r} on {', '.join(actors)} raised:\n{msg}" for msg, actors in errors.items()]
         super().__init__("\n".join(parts))
 
@@ -134,7 +140,8 @@ def default_placer(role: RoleSpec, n: int, *, avoid: Sequence[str], existing: di
     """Place ``n`` more actors on the cluster as it is now: ``(ray options, node id, market)`` each."""
     from raylane.cluster import ClusterView
 
-    picks = place_more(role, ClusterView.from_ray(), n, avoid=avoid, existing=existing, reserved=reserved)
+    # Cached or labelled speeds only: a calibration task here would block the pool.
+    picks = place_more(role, ClusterView.from_ray(calibrate=False), n, avoid=avoid, existing=existing, reserved=reserved)
     return [(ray_options(a), a.node_id, a.market) for a in picks]
 
 
@@ -220,6 +227,7 @@ class ActorPool:
             tid = next(self._tickets_ids)
             self._tickets[tid] = _Ticket(tid, method, args, kwargs, retry)
             self._queue.append(tid)
+            self._dispatch()  # start now on an idle actor: work must not wait for the next gather
             return tid
 
     def gather(self, tickets: Iterable[int], *, timeout_s: float, partial: bool = False) -> dict[int, Any]:
@@ -228,9 +236,19 @@ class ActorPool:
         With ``partial=False`` every ticket must finish by the deadline, else
         :class:`CallTimeoutError` names the unfinished calls. With ``partial=True`` the
         call returns at the deadline (or once nothing is left to wait for) with the
-        tickets that finished; :meth:`lost` tells which were given up.
+        tickets that finished; :meth:`lost` tells which were given up. Either way the
+        tickets are done with afterwards: unfinished ones are dropped.
         """
         tickets = list(tickets)
+        try:
+            return self._gather(tickets, timeout_s, partial)
+        except PoolError as exc:
+            exc.role = self.role.name
+            raise
+        finally:
+            self._forget(tickets)
+
+    def _gather(self, tickets: list[int], timeout_s: float, partial: bool) -> dict[int, Any]:
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
@@ -249,7 +267,6 @@ class ActorPool:
                     grouped: dict[str, list[str]] = {}
                     for t in errors:
                         grouped.setdefault(t.error, []).append(t.actor or "?")
-                    self._forget(tickets)
                     raise WorkError(errors[0].method, grouped)
                 self._pump(min(0.5, max(0.0, deadline - time.monotonic())))
                 continue
@@ -259,20 +276,20 @@ class ActorPool:
             if now >= deadline:
                 if partial:
                     break
-                msg = self._describe_pending(pending, timeout_s)
-                self._forget(tickets)
-                raise CallTimeoutError(msg)
+                raise CallTimeoutError(self._describe_pending(pending, timeout_s))
             self._pump(min(0.5, deadline - now))
         with self._lock:
             out = {t: self._tickets[t].result for t in tickets if self._tickets[t].done}
             lost = [t for t in tickets if self._tickets[t].lost is not None]
             if not partial and lost:
                 reasons = {self._tickets[t].lost for t in lost}
-                self._forget(tickets)
                 raise PoolError(f"{len(lost)} call(s) were lost with their actors: {'; '.join(sorted(reasons))}")
             self._lost_last = lost
-            self._forget(tickets)
             return out
+
+    def cancel(self, tickets: Iterable[int]) -> None:
+        """Give up tickets without waiting: queued ones never run, running results are dropped."""
+        self._forget(tickets)
 
     def lost(self) -> list[int]:
         """Tickets of the last partial gather that were given up (their actor died, retry=False)."""
@@ -288,12 +305,14 @@ class ActorPool:
         done = self.gather(tickets, timeout_s=timeout_s)
         return [done[t] for t in tickets]
 
-    def call_all(self, method: str, *args: Any, timeout_s: float, sticky: bool = False, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: str, *args: Any, timeout_s: float, sticky: bool = False, require_all: bool = False, **kwargs: Any) -> list[Any]:
         """Call ``method`` once on every live actor; results of the actors that answered.
 
-        ``sticky=True`` also replays the call on every actor started later (replacements,
-        growth), before it gets any other work; a newer sticky call of the same method
-        replaces the older one.
+        Actors still starting get the call too (after their start-up). ``sticky=True``
+        also replays the call on every actor started later (replacements, growth),
+        before it gets any other work; a newer sticky call of the same method replaces
+        the older one. ``require_all=True`` raises :class:`PoolError` if an actor died
+        instead of answering (for calls that carry state, such as loading a checkpoint).
 
         >>> pool.call_all("set_weights", ray.put(w), timeout_s=30, sticky=True)
         """
@@ -301,23 +320,42 @@ class ActorPool:
             self._check_open()
             if sticky:
                 self._sticky[method] = (args, kwargs)
-            members = [m for m in self._members.values() if not m.retiring and (m.ready or not sticky)]
-            refs = {m.key: getattr(m.handle, method).remote(*args, **kwargs) for m in members}
+            members = [m for m in self._members.values() if not m.retiring]
+            refs = {}
+            for m in members:
+                ref = getattr(m.handle, method).remote(*args, **kwargs)
+                refs[m.key] = ref
+                if not m.ready:
+                    m.ready_ref = ref  # the actor is ready once this (queued after start-up) is done
         results = {}
         deadline = time.monotonic() + timeout_s
+        lost = []
         for key, ref in refs.items():
             try:
                 results[key] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except GetTimeoutError:
                 m = self._members.get(key)
-                raise CallTimeoutError(f"{method!r} on actor {m.name if m else key} of role {self.role.name!r} did not return within {timeout_s:.1f} s") from None
+                err = CallTimeoutError(f"{method!r} on actor {m.name if m else key} of role {self.role.name!r} did not return within {timeout_s:.1f} s")
+                err.role = self.role.name
+                raise err from None
             except LOST as exc:
+                lost.append(key)
                 self._evict(key, f"died during {method!r}: {type(exc).__name__}")
             except RayTaskError as exc:
                 m = self._members.get(key)
-                raise WorkError(method, {_short(exc): [m.name if m else str(key)]}) from None
+                err = WorkError(method, {_short(exc): [m.name if m else str(key)]})
+                err.role = self.role.name
+                raise err from None
         self._fill()
+        if require_all and lost:
+            err = PoolError(f"pool {self.role.name!r}: {len(lost)} actor(s) died during {method!r}; their replacements did not get it")
+            err.role = self.role.name
+            raise err
         return [results[k] for k in refs if k in results]
+
+    def wait_for(self, n: int, timeout_s: float) -> None:
+        """Block until at least ``n`` actors are ready (see :meth:`wait_ready`)."""
+        self._wait(n, timeout_s)
 
     def resize(self, n: int) -> None:
         """Set the target size. Growth starts actors now; shrinking retires actors once
@@ -350,18 +388,24 @@ class ActorPool:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until ``target`` actors are ready; raises naming the reason if not in time."""
+        self._wait(None, timeout_s)
+
+    def _wait(self, n: int | None, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
                 ready = sum(1 for m in self._members.values() if m.ready and not m.retiring)
-            if ready >= self.target:
+            want = self.target if n is None else n
+            if ready >= want:
                 return
             if time.monotonic() >= deadline:
-                raise CallTimeoutError(
-                    f"pool {self.role.name!r}: {ready} of {self.target} actors ready after {timeout_s:.1f} s"
+                err = CallTimeoutError(
+                    f"pool {self.role.name!r}: {ready} of {want} actors ready after {timeout_s:.1f} s"
                     + (f"; placement: {self._placement_error}" if self._placement_error else "")
                     + (f"; last start error: {self._last_start_error}" if self._last_start_error else "")
                 )
+                err.role = self.role.name
+                raise err
             self._pump(min(0.5, max(0.01, deadline - time.monotonic())))
 
     def status(self) -> PoolStatus:
@@ -487,7 +531,6 @@ class ActorPool:
             self._evictions.append(Eviction(time.time(), m.name, m.node_id, reason))
             self._recent_dead_nodes[m.node_id] = time.monotonic()
             if not m.ready:
-                self._start_failures += 1
                 self._last_start_error = reason
             try:
                 ray.kill(m.handle, no_restart=True)
@@ -519,10 +562,12 @@ class ActorPool:
     def _pump(self, wait_s: float) -> None:
         """One round: replace, dispatch, wait a little for anything to finish, handle it."""
         if self._start_failures >= self.max_start_failures:
-            raise PoolError(
-                f"pool {self.role.name!r}: {self._start_failures} actors died before becoming ready; "
+            err = PoolError(
+                f"pool {self.role.name!r}: {self._start_failures} actors failed in their constructor or start-up calls; "
                 f"last error: {self._last_start_error}"
             )
+            err.role = self.role.name
+            raise err
         self._fill()
         with self._lock:
             self._retire_idle()
@@ -554,20 +599,29 @@ class ActorPool:
             failure = ("lost", exc)
         except RayTaskError as exc:
             failure = ("error", exc)
+        except GetTimeoutError as exc:  # the ref was ready; only a lost object gets here
+            failure = ("lost", exc)
         with self._lock:
             m = self._members.get(key)
             if m is None:
                 return
             if kind == "ready":
+                if ref != m.ready_ref:
+                    return  # an older start-up reference; a newer sticky call is the one to wait for
                 if failure is None:
                     m.ready = True
                     self._start_failures = 0
-                elif failure[0] == "lost":
-                    self._evict(key, f"died while starting: {_short(failure[1])}")
-                else:
-                    self._evict(key, f"sticky call failed while starting: {_short(failure[1])}")
+                    return
+                # Only the actor's own code failing counts towards max_start_failures (a
+                # constructor that always raises must fail the pool, not loop); losing
+                # a node while actors start is ordinary spot weather.
+                exc = failure[1]
+                if failure[0] == "error" or getattr(exc, "actor_init_failed", False):
                     self._start_failures += 1
+                self._evict(key, f"failed while starting: {_short(exc)}")
                 return
+            if ref != m.ref:
+                return  # a result for a ticket the actor is no longer running
             tk = self._tickets.get(m.ticket) if m.ticket is not None else None
             if failure is not None and failure[0] == "lost":
                 self._evict(key, f"died during {tk.method if tk else 'a call'!r}: {type(failure[1]).__name__}")
@@ -601,7 +655,9 @@ class ActorPool:
                     tk.lost = msg
                     m.ticket = None
                     self._evict(m.key, "call timed out")
-                    raise CallTimeoutError(msg)
+                    err = CallTimeoutError(msg)
+                    err.role = self.role.name
+                    raise err
                 self._evict(m.key, "call timed out")
 
 

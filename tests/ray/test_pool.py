@@ -109,13 +109,13 @@ def test_gather_deadline_names_unfinished_calls(ray_local):
 def test_resize_while_work_in_flight(ray_local):
     pool = make_pool(2)
     try:
-        tickets = [pool.submit("square", i, 0.2) for i in range(16)]
+        tickets = [pool.submit("square", i, 0.3) for i in range(24)]
         pool.resize(4)  # grow mid-flight
-        part = pool.gather(tickets[:8], timeout_s=60)
+        part = pool.gather(tickets[:12], timeout_s=60)
         pool.resize(1)  # shrink mid-flight: retiring actors finish their call first
-        rest = pool.gather(tickets[8:], timeout_s=60)
+        rest = pool.gather(tickets[12:], timeout_s=60)
         results = {**part, **rest}
-        assert [results[t][0] for t in tickets] == [i * i for i in range(16)]
+        assert [results[t][0] for t in tickets] == [i * i for i in range(24)]
         assert pool.size == 1
         assert len({k for _, k in results.values()}) >= 3  # grown actors took work
         pool.wait_ready(timeout_s=30)
@@ -162,3 +162,30 @@ def test_bad_sizes_are_refused(ray_local):
         pool.shutdown()
     with pytest.raises(PoolError, match="shut down"):
         pool.submit("square", 1)
+
+
+def test_submitted_work_starts_at_once_without_a_gather(ray_local):
+    pool = make_pool(2)
+    try:
+        t0 = time.monotonic()
+        tickets = [pool.submit("square", i, 0.5) for i in range(2)]
+        time.sleep(0.8)  # the calls run meanwhile
+        done = pool.gather(tickets, timeout_s=0.3)
+        assert [done[t][0] for t in tickets] == [0, 1] and time.monotonic() - t0 < 1.4
+    finally:
+        pool.shutdown()
+
+
+def test_call_all_require_all_reports_an_actor_that_died(ray_local):
+    pool = make_pool(2)
+    try:
+        pids = pool.call_all("pid", timeout_s=30)
+        os.kill(pids[0], signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(PoolError, match="1 actor\\(s\\) died during 'get_weights'") as info:
+            pool.call_all("get_weights", timeout_s=30, require_all=True)
+        assert info.value.role == "worker"
+        pool.wait_ready(timeout_s=60)
+        assert len(pool.call_all("get_weights", timeout_s=30, require_all=True)) == 2
+    finally:
+        pool.shutdown()

@@ -54,7 +54,7 @@ def test_pendulum_trains_and_its_return_improves(ray_local, tmp_path):
 
 
 def test_a_rollout_worker_killed_mid_iteration_costs_only_its_samples(ray_local, tmp_path):
-    workload, driver = make(tmp_path, "workerkill", rollout_steps=800, total_env_steps=120_000, target_return=None, sample_timeout_s=60)
+    workload, driver = make(tmp_path, "workerkill", rollout_steps=800, total_env_steps=300_000, target_return=None, sample_timeout_s=60)
     steps = []
     original = workload.step
     workload.step = lambda i: (steps.append(time.monotonic()), original(i))[1]
@@ -74,9 +74,9 @@ def test_a_rollout_worker_killed_mid_iteration_costs_only_its_samples(ray_local,
     rows = read_jsonl(tmp_path / "workerkill" / "metrics.jsonl")
     workers = [r["workers"] for r in rows]
     assert 1 in workers[3:6], workers  # the iteration with the kill went on with the survivor
-    assert workers[-1] == 2  # the replacement joined
+    assert workers[-1] == 2, workers  # the replacement joined
     assert max(r["sample_s"] for r in rows) < 10  # no stall waiting for the dead worker
-    assert rows[-1]["env_steps"] >= 120_000
+    assert rows[-1]["env_steps"] >= 300_000
 
 
 def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_local, tmp_path):

@@ -159,11 +159,51 @@ def test_same_run_name_resumes_from_latest_checkpoint(tmp_path):
     assert math.isclose(second.x, reference(15))
 
 
-def test_resume_off_starts_over(tmp_path):
+def test_resume_off_refuses_a_run_that_has_checkpoints(tmp_path):
     drive(tmp_path, Counter(), max_steps=8, checkpoint_every_steps=4)
     again = Counter()
-    d, summary = drive(tmp_path, again, max_steps=3, resume=False)
-    assert summary["resumed_from"] is None and again.applied == [0, 1, 2]
+    with pytest.raises(DriverError, match=r"run 'r' already has checkpoints \(steps \[0, 4, 8\]\).*driver.resume=true.*another run name"):
+        drive(tmp_path, again, max_steps=3, resume=False)
+    assert again.applied == []  # nothing ran, nothing mixed with the old run's checkpoints
+
+
+def test_resume_off_on_a_new_name_starts_fresh(tmp_path):
+    w = Counter()
+    d, summary = drive(tmp_path, w, max_steps=3, resume=False, checkpoint_every_steps=0)
+    assert summary["resumed_from"] is None and w.applied == [0, 1, 2]
+    # the initial checkpoint is written even with periodic checkpoints off
+    assert CheckpointStore(str(tmp_path / "r" / "checkpoints")).steps() == [0, 3]
+
+
+def test_a_failure_while_recovering_counts_against_the_budget(tmp_path):
+    class FlakyRecover(Counter):
+        def recover(self, ctx, error):
+            self.recoveries += 1
+            if self.recoveries == 1:
+                raise PoolError("replacement died while starting")
+
+    w = FlakyRecover(fail_at={4})
+    d, summary = drive(tmp_path, w, max_steps=8, checkpoint_every_steps=2, max_failures=3)
+    assert w.recoveries == 2 and summary["failures_recovered"] == 1 and summary["state"] == "finished"
+    assert math.isclose(w.x, reference(8))
+    with pytest.raises(DriverError, match="2 failures exceed max_failures=1"):
+        drive(tmp_path, FlakyRecover(fail_at={4}), max_steps=8, checkpoint_every_steps=2, max_failures=1, run_name="r2")
+
+
+def test_errors_between_steps_go_through_the_failure_policy(tmp_path):
+    class BadSave(Counter):
+        saves = 0
+
+        def state_dict(self):
+            BadSave.saves += 1
+            if BadSave.saves == 3:
+                raise PoolError("learner lost while saving")
+            return super().state_dict()
+
+    w = BadSave()
+    d, summary = drive(tmp_path, w, max_steps=6, checkpoint_every_steps=2)
+    assert summary["state"] == "finished" and summary["failures_recovered"] == 1
+    assert math.isclose(w.x, reference(6))
 
 
 def test_unplaceable_role_fails_in_initializing(tmp_path):
