@@ -208,7 +208,8 @@ def _schema_and_parts(uri: str, fmt: str, files: list[str]):
     for path in files:
         try:
             if fmt == "parquet":
-                meta = pq.ParquetFile(fs.open_input_file(path)).metadata
+                with fs.open_input_file(path) as f:
+                    meta = pq.ParquetFile(f).metadata
                 file_schema = meta.schema.to_arrow_schema()
                 groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
                 parts.append(FilePart(path, meta.num_rows, groups))
@@ -231,7 +232,8 @@ def _read_file_columns(fs, part: FilePart, fmt: str, columns: Sequence[str], typ
     import pyarrow.parquet as pq
 
     if fmt == "parquet":
-        return pq.ParquetFile(fs.open_input_file(part.path)).read(columns=list(columns))
+        with fs.open_input_file(part.path) as f:
+            return pq.ParquetFile(f).read(columns=list(columns))
     with fs.open_input_stream(part.path) as f:
         return pacsv.read_csv(f, convert_options=pacsv.ConvertOptions(include_columns=list(columns), column_types=types or {}))
 
@@ -390,7 +392,8 @@ def _read_file_rows(spec: TableSpec, start: int, stop: int) -> tuple[np.ndarray,
                 # Only the row groups that overlap [lo, hi).
                 bounds = np.cumsum((0,) + part.row_groups) + file_start
                 groups = [g for g in range(len(part.row_groups)) if bounds[g] < hi and bounds[g + 1] > lo]
-                table = pq.ParquetFile(fs.open_input_file(part.path)).read_row_groups(groups, columns=columns)
+                with fs.open_input_file(part.path) as f:
+                    table = pq.ParquetFile(f).read_row_groups(groups, columns=columns)
                 tables.append(table.slice(lo - int(bounds[groups[0]]), hi - lo))
             else:
                 types = {c: pa.float64() for c in columns}  # a stray string in a column fails here, naming it
@@ -429,7 +432,9 @@ def eval_mask(seed: int, start: int, stop: int, fraction: float) -> np.ndarray:
     if fraction <= 0:
         return np.zeros(stop - start, dtype=bool)
     with np.errstate(over="ignore"):
-        z = np.arange(start, stop, dtype=np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64)
+        # splitmix64 of the (index + 1)-th state of a stream whose start the seed picks
+        offset = np.uint64((0x9E3779B97F4A7C15 + seed * 0xD1B54A32D192ED03) % 2**64)
+        z = (np.arange(start, stop, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) + offset
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))

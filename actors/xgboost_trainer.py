@@ -1,7 +1,7 @@
 """XGBoost trainers: one data shard per actor, joined through xgboost's own collective.
 
-Where it lives: any node with ``nthread`` free CPUs (the trainer role is stateful, so on-demand
-nodes first). What is copied into it: its slice of the config (a :class:`TrainerConfig`:
+Where it lives: any node with ``nthread`` free CPUs (a stateful role: on-demand nodes first,
+unless the job prefers spot). What is copied into it: its slice of the config (a :class:`TrainerConfig`:
 the table spec, not the data), then one :class:`Shard` through :meth:`XGBoostTrainer.load`,
 whose rows it reads itself. The driver never ships rows.
 
@@ -17,7 +17,9 @@ matrices when the driver starts a new group (a new ``group`` number).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +60,9 @@ class XGBoostTrainer:
     """Holds one shard (train and eval rows as arrays) and the matrices built from them."""
 
     def __init__(self, config: TrainerConfig):
+        # xgboost takes about a second to import (it imports scikit-learn when installed):
+        # start now, so it overlaps with reading the shard instead of delaying the first chunk.
+        threading.Thread(target=importlib.import_module, args=("xgboost",), name="import-xgboost", daemon=True).start()
         self.config = config
         self.shard: Shard | None = None
         self._train: tuple[np.ndarray, np.ndarray] | None = None
@@ -92,13 +97,16 @@ class XGBoostTrainer:
 
         n = self.config.nthread
         x, y = self._train
+        names = list(self.config.table.features)
+        if any(c in name for name in names for c in "[]<,"):  # characters xgboost refuses in names
+            names = None
         if self.config.quantile:
             # Inside the collective: the quantile sketch is merged across all trainers here.
-            dtrain = xgb.QuantileDMatrix(x, y, nthread=n)
-            make_eval = lambda xe, ye: xgb.QuantileDMatrix(xe, ye, ref=dtrain, nthread=n)  # noqa: E731 - the training cuts
+            dtrain = xgb.QuantileDMatrix(x, y, nthread=n, feature_names=names)
+            make_eval = lambda xe, ye: xgb.QuantileDMatrix(xe, ye, ref=dtrain, nthread=n, feature_names=names)  # noqa: E731 - the training cuts
         else:
-            dtrain = xgb.DMatrix(x, y, nthread=n)
-            make_eval = lambda xe, ye: xgb.DMatrix(xe, ye, nthread=n)  # noqa: E731
+            dtrain = xgb.DMatrix(x, y, nthread=n, feature_names=names)
+            make_eval = lambda xe, ye: xgb.DMatrix(xe, ye, nthread=n, feature_names=names)  # noqa: E731
         self._matrices = {"dtrain": dtrain}
         if "train" in evals:
             self._matrices["train"] = dtrain
@@ -120,10 +128,6 @@ class XGBoostTrainer:
 
         if self.shard is None:
             raise RuntimeError("train called before load: this trainer holds no shard")
-        booster = None if model is None else xgb.Booster(model_file=bytearray(model))
-        have = 0 if booster is None else booster.num_boosted_rounds()
-        if have != start_round:
-            raise ValueError(f"the model given has {have} rounds, expected {start_round}")
         with collective.CommunicatorContext(**comm_args, dmlc_task_id=f"{self.shard.index:06d}"):
             build_s = 0.0
             if self._group != group or set(evals) - set(self._matrices):
@@ -132,22 +136,28 @@ class XGBoostTrainer:
                 self._build(evals)
                 build_s = time.perf_counter() - t0
                 self._group = group
+            watch = [(self._matrices[name], name) for name in evals]
+            # One booster for the whole stream, driven round by round as xgboost.train does.
+            # xgboost.train per chunk would drop the booster's prediction cache at the end
+            # of every call (Booster.reset), and each chunk would start by predicting every
+            # tree so far on every row.
+            booster = xgb.Booster({**params, "nthread": self.config.nthread}, [self._matrices["dtrain"]] + [m for m, _ in watch], model_file=None if model is None else bytearray(model))
+            if booster.num_boosted_rounds() != start_round:
+                raise ValueError(f"the model given has {booster.num_boosted_rounds()} rounds, expected {start_round}")
             rank = collective.get_rank()
             done = start_round
             while done < start_round + rounds:
                 t0 = time.perf_counter()
-                n = min(chunk, start_round + rounds - done)
                 history: dict[str, dict[str, list[float]]] = {}
-                booster = xgb.train(
-                    {**params, "nthread": self.config.nthread},
-                    self._matrices["dtrain"],
-                    num_boost_round=n,
-                    evals=[(self._matrices[name], name) for name in evals],
-                    evals_result=history,
-                    xgb_model=booster,
-                    verbose_eval=False,
-                )
-                done += n
+                for i in range(done, min(done + chunk, start_round + rounds)):
+                    booster.update(self._matrices["dtrain"], iteration=i)
+                    if watch:
+                        # "[i]\ttrain-logloss:0.51\teval-logloss:0.53": already aggregated over the group
+                        for entry in booster.eval_set(watch, iteration=i).split()[1:]:
+                            key, value = entry.rsplit(":", 1)
+                            data, metric = key.split("-", 1)
+                            history.setdefault(data, {}).setdefault(metric, []).append(float(value))
+                    done = i + 1
                 raw = bytes(booster.save_raw("ubj"))
                 item = {"shard": self.shard.index, "rank": rank, "round": done, "history": history, "seconds": time.perf_counter() - t0, "build_s": build_s, "model_sha256": hashlib.sha256(raw).hexdigest()}
                 if rank == 0:  # every rank holds the same model (the digest proves it); one copy travels

@@ -1,0 +1,544 @@
+"""``raylane run xgboost``: data-sharded gradient boosting that survives a lost trainer.
+
+Each trainer reads one shard of the rows itself (sizes in proportion to its node's speed)
+and the group boosts through xgboost's collective, with the tracker in this process. One
+driver step is one chunk of ``checkpoint_every`` rounds; after each chunk the model (UBJ
+bytes), the round and the metric history go to the checkpoint store. The trainers stream
+their chunks from one collective session, so they boost the next chunk while the driver
+checkpoints the last one. Per-round metrics go to ``rounds.jsonl`` in the run folder (the
+last row for a round counts, should a resumed run repeat one), the final model to
+``model.ubj``.
+
+When a trainer dies mid-chunk the collective cannot go on: the survivors leave it with an
+error (or are killed if they have not within the collective timeout), the pool replaces the
+dead trainer, the replacement reads the lost shard, survivors keep theirs, and the group
+continues from the last checkpointed round.
+
+    raylane run xgboost --set data.source=sklearn:breast_cancer --set num_boost_round=50
+    python -m raylane.jobs.xgboost --set data.rows=1000000 --set trainers=2 --set threads=1
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import ObjectRefGenerator
+from ray.exceptions import RayTaskError
+
+from raylane import config as cfg
+from raylane.actors import tabular
+from raylane.actors.xgboost_trainer import Shard, TrainerConfig, XGBoostTrainer
+from raylane.driver import Context, DriverConfig
+from raylane.launch import job_main
+from raylane.placement import RoleSpec, split_by_speed
+from raylane.pool import LOST, ActorPool, CallTimeoutError, PoolError, WorkError
+from raylane.registry import JobSpec
+
+log = logging.getLogger(__name__)
+
+ROLE = "xgboost_trainer"
+# Objectives whose rows are (features, label); ranking and survival need fields this job does not read.
+OBJECTIVES = (
+    "binary:logistic", "binary:logitraw", "binary:hinge",
+    "multi:softprob", "multi:softmax",
+    "reg:squarederror", "reg:squaredlogerror", "reg:logistic", "reg:pseudohubererror",
+    "reg:absoluteerror", "reg:quantileerror", "reg:gamma", "reg:tweedie", "count:poisson",
+)
+DEFAULT_PARAMS = {"tree_method": "hist", "max_depth": 6, "eta": 0.3, "seed": 0}
+# Objectives that need labels above a bound: (bound, whether the bound itself is refused).
+LABEL_FLOORS = {"count:poisson": (0.0, False), "reg:tweedie": (0.0, False), "reg:gamma": (0.0, True), "reg:squaredlogerror": (-1.0, True)}
+DEFAULT_METRICS = {"binary": ["logloss", "auc"], "multi": ["mlogloss", "merror"], "reg": ["rmse"]}
+# Keys that have a config field of their own, so there is one place to set them.
+OWN_FIELDS = {"nthread": "threads", "n_jobs": "threads", "num_boost_round": "num_boost_round", "n_estimators": "num_boost_round"}
+
+
+@dataclass
+class DataConfig:
+    """Where the rows come from and which columns are what."""
+
+    source: str = "synthetic:classification"
+    """A Parquet or CSV file or folder (local path or pyarrow URI, e.g. s3://bucket/train/); sklearn:<name> for a dataset bundled with scikit-learn (breast_cancer, diabetes, digits, iris, wine); or synthetic:classification / synthetic:regression for rows generated on each trainer."""
+    label: str = ""
+    """Label column. Empty: 'target' for sklearn datasets, 'label' for synthetic data; required for files."""
+    features: list[str] = cfg.field([])
+    """Feature columns (numeric). Empty: every column but the label."""
+    format: str = cfg.field("auto", choices=("auto", "parquet", "csv"))
+    """File format; auto reads it from the extension (.parquet, .pq, .csv)."""
+    rows: int = cfg.field(100_000, ge=1)
+    """Rows to generate (synthetic sources only)."""
+    num_features: int = cfg.field(28, ge=1)
+    """Features to generate (synthetic sources only)."""
+    seed: int = 0
+    """Seed of the generated rows and of the evaluation split."""
+    eval_fraction: float = cfg.field(0.2, ge=0.0, lt=1.0)
+    """Share of rows held out as the evaluation set, picked per row by a hash of its index and the seed (the same rows whatever the trainer count); 0: no evaluation set."""
+
+
+@dataclass
+class XGBoostJobConfig:
+    """Distributed XGBoost: one data shard per trainer, joined through xgboost's collective."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """What to train on."""
+    params: dict[str, Any] = cfg.field({})
+    """xgboost parameters, passed through to xgboost.train over tree_method=hist, max_depth=6, eta=0.3, seed=0. objective: binary:logistic when every label is 0 or 1, else reg:squarederror; multi:* get num_class from the labels. eval_metric: logloss+auc (binary), mlogloss+merror (multi), rmse (regression)."""
+    num_boost_round: int = cfg.field(100, ge=1)
+    """Boosting rounds in all."""
+    trainers: int = cfg.field(2, ge=1)
+    """Trainer actors, one data shard each."""
+    threads: int = cfg.field(1, ge=1)
+    """Threads per trainer (xgboost nthread); each trainer reserves this many CPUs."""
+    checkpoint_every: int = cfg.field(10, ge=1)
+    """Rounds per chunk: the model is checkpointed after each chunk, and a lost trainer costs at most one chunk."""
+    eval_train: bool = True
+    """Also compute the metrics on the training rows each round (a pass over them; auc also sorts)."""
+    prefer_spot: bool = False
+    """Place trainers on spot nodes first (cheaper; a preemption costs at most one chunk). Default: on-demand first, as a stateful role."""
+    load_timeout_s: float = cfg.field(600.0, gt=0)
+    """Longest a trainer may take to start and read its shard."""
+    chunk_timeout_s: float = cfg.field(3600.0, gt=0)
+    """Longest one chunk of rounds may take; then the trainers still in it are killed and the group restarts from the last checkpoint."""
+    collective_timeout_s: int = cfg.field(120, ge=1)
+    """Seconds the collective waits for a peer (group start, each operation); survivors of a lost trainer still inside after this are killed."""
+    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=10, checkpoint_every_steps=1))
+    """Run name, folder, resume. Derived here: driver.max_steps = ceil(num_boost_round / checkpoint_every) and driver.checkpoint_every_steps = 1 (a step is a chunk)."""
+
+    def validate(self) -> None:
+        self.driver.max_steps = math.ceil(self.num_boost_round / self.checkpoint_every)
+        self.driver.checkpoint_every_steps = 1
+        prepare(self)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the driver's peek settled: the table, the full xgboost params, the metric names."""
+
+    table: tabular.TableSpec
+    params: dict[str, Any]
+    evals: tuple[str, ...]
+    metrics: tuple[str, ...]
+    quantile: bool
+
+
+def prepare(c: XGBoostJobConfig) -> Prepared:
+    """Check the config against the data (schema, labels, row count) and settle the params.
+
+    Cached on the config object for its current values, so validate and build peek once.
+    """
+    key = json.dumps(cfg.to_dict({k: v for k, v in vars(c).items() if not k.startswith("_") and k != "driver"}), sort_keys=True, default=str)
+    cached = c.__dict__.get("_prepared")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    params = _static_params(c.params)
+    d = c.data
+    table, labels = tabular.describe(d.source, label=d.label, features=d.features, fmt=d.format, rows=d.rows, num_features=d.num_features, seed=d.seed)
+    if table.rows < c.trainers:
+        raise cfg.ConfigError(f"trainers: {c.trainers} trainers need at least as many rows, but {d.source!r} has {table.rows}; lower trainers")
+    if d.eval_fraction > 0:
+        # Count what the per-row hash holds out (exactly up to a million rows, where an
+        # empty or total split is possible at all).
+        n = min(table.rows, 1_000_000)
+        held = int(tabular.eval_mask(d.seed, 0, n, d.eval_fraction).sum())
+        if held == 0 or held == table.rows:
+            what = "no rows" if held == 0 else "every row"
+            raise cfg.ConfigError(f"data.eval_fraction: {d.eval_fraction:g} holds out {what} of the {table.rows} in {d.source!r}; choose a fraction between, or 0 for no evaluation set")
+    params = _objective_params(params, labels)
+    evals = tuple(name for name, on in (("train", c.eval_train), ("eval", d.eval_fraction > 0)) if on)
+    prepared = Prepared(table, params, evals, _probe(params, labels), params["tree_method"] == "hist")
+    c.__dict__["_prepared"] = (key, prepared)
+    return prepared
+
+
+def _static_params(user: dict[str, Any]) -> dict[str, Any]:
+    for key, own in OWN_FIELDS.items():
+        if key in user:
+            raise cfg.ConfigError(f"params.{key}: set {own} instead (it has its own field)")
+    params = {**DEFAULT_PARAMS, **user}
+    objective = params.get("objective")
+    if objective is not None and objective not in OBJECTIVES:
+        close = difflib.get_close_matches(str(objective), OBJECTIVES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise cfg.ConfigError(f"params.objective: unknown objective {objective!r}.{hint} Valid objectives: {', '.join(OBJECTIVES)}")
+    if params["tree_method"] == "auto":
+        params["tree_method"] = "hist"
+    if params["tree_method"] not in ("hist", "approx"):
+        raise cfg.ConfigError(f"params.tree_method: {params['tree_method']!r} does not train distributed; use 'hist' (default) or 'approx'")
+    return params
+
+
+def _objective_params(params: dict[str, Any], labels: tabular.LabelSummary) -> dict[str, Any]:
+    params = dict(params)
+    objective = params.setdefault("objective", "binary:logistic" if labels.binary else "reg:squarederror")
+    family = objective.split(":")[0] if objective.split(":")[0] in ("binary", "multi") else "reg"
+    lo, hi = labels.minimum, labels.maximum
+    if family == "binary" and not (lo >= 0 and hi <= 1):
+        raise cfg.ConfigError(f"params.objective: {objective} needs labels in [0, 1], the labels span [{lo:g}, {hi:g}]; use a reg:* objective or recode the labels")
+    if family == "multi":
+        if not labels.integral or lo < 0:
+            raise cfg.ConfigError(f"params.objective: {objective} needs class labels 0..k-1, the labels span [{lo:g}, {hi:g}] and are {'whole' if labels.integral else 'not whole'} numbers")
+        params.setdefault("num_class", int(hi) + 1)
+        if not hi < params["num_class"]:
+            raise cfg.ConfigError(f"params.num_class: {params['num_class']} classes, but the labels go up to {hi:g}; set num_class to at least {int(hi) + 1}")
+    bound, strict = LABEL_FLOORS.get(objective, (-math.inf, False))
+    if lo < bound or (strict and lo == bound):
+        raise cfg.ConfigError(f"params.objective: {objective} needs labels {'>' if strict else '>='} {bound:g}, the smallest label is {lo:g}")
+    params.setdefault("eval_metric", list(DEFAULT_METRICS[family]))
+    return params
+
+
+def _probe(params: dict[str, Any], labels: tabular.LabelSummary) -> tuple[str, ...]:
+    """Train one round on two rows: xgboost refuses bad params here, and names its metrics."""
+    import numpy as np
+    import xgboost as xgb
+
+    lo = labels.minimum if math.isfinite(labels.minimum) else 0.0
+    hi = labels.maximum if math.isfinite(labels.maximum) else 1.0
+    d = xgb.DMatrix(np.array([[0.0], [1.0]], dtype=np.float32), np.array([lo, hi], dtype=np.float32))
+    history: dict = {}
+    try:
+        xgb.train({**params, "nthread": 1}, d, 1, evals=[(d, "probe")], evals_result=history, verbose_eval=False)
+    except xgb.core.XGBoostError as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip() and "Stack trace" not in line), str(exc))
+        raise cfg.ConfigError(f"params: xgboost refused {params}: {first.split(': ', 1)[-1]}") from None
+    return tuple(history["probe"])
+
+
+# ---------------------------------------------------------------- the group of trainers
+
+
+class GroupLost(PoolError):
+    """A trainer died mid-call or the collective broke. Recoverable: the driver regroups."""
+
+    def __init__(self, message: str, actor: str = "?"):
+        super().__init__(message)
+        self.actor = actor
+
+
+class _Tracker:
+    """xgboost's tracker for one group, in this process, bound to this node's address."""
+
+    def __init__(self, n: int, timeout_s: int):
+        from xgboost.tracker import RabitTracker
+
+        self.timeout_s = timeout_s
+        self._tracker = RabitTracker(n_workers=n, host_ip=ray.util.get_node_ip_address(), sortby="task", timeout=timeout_s)
+        self._tracker.start()
+
+    def worker_args(self) -> dict[str, Any]:
+        # dmlc_timeout bounds each collective operation, so a peer that vanished without
+        # closing its sockets (a node gone from the network) cannot block the others for ever.
+        return {**self._tracker.worker_args(), "dmlc_timeout": self.timeout_s}
+
+    def close(self, finished: bool) -> None:
+        from xgboost.core import XGBoostError
+
+        try:
+            if finished:
+                self._tracker.wait_for(self.timeout_s)
+        except XGBoostError as exc:
+            log.warning("xgboost tracker did not finish cleanly: %s", _first_line(str(exc)))
+        finally:
+            try:
+                self._tracker.free()
+            except XGBoostError:  # freeing a tracker whose group broke reports the broken group again
+                pass
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip(" -") for line in text.splitlines() if line.strip() and not line.lstrip().startswith("[bt]") and "Stack trace" not in line]
+    return " / ".join(lines[-3:])[:500] if lines else text[:500]
+
+
+def _is_collective_error(text: str) -> bool:
+    """An error raised by xgboost's collective (a peer gone, a timeout), not by the data or params."""
+    return "/collective/" in text or "Poll timeout" in text
+
+
+def collect(calls: dict[int, Any], handles: dict[int, Any], *, what: str, timeout_s: float, grace_s: float) -> dict[int, Any]:
+    """One result per shard, never waiting past ``timeout_s``.
+
+    ``calls`` maps a shard to an ObjectRef, or to a streaming generator whose next item is
+    wanted. Once any call has failed, the others get ``grace_s`` to finish (survivors of a
+    broken collective leave it with an error); those still running are killed, since they
+    may be blocked on a peer that is gone. A lost trainer, or collective errors only, raise
+    :class:`GroupLost` (recoverable); any other error raises :class:`WorkError`.
+    """
+    pending = {ref: i for i, ref in calls.items()}
+    results: dict[int, Any] = {}
+    lost: dict[int, str] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    failed_at: float | None = None
+    while pending:
+        limit = deadline if failed_at is None else min(deadline, failed_at + grace_s)
+        left = limit - time.monotonic()
+        if left <= 0:
+            break
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+        for ready in done:
+            i = pending.pop(ready)
+            try:
+                ref = next(ready) if isinstance(ready, ObjectRefGenerator) else ready
+                results[i] = ray.get(ref, timeout=max(1.0, left))
+            except StopIteration:
+                errors[i] = f"{what!r} ended before its last chunk"
+            except LOST as exc:
+                lost[i] = type(exc).__name__
+            except RayTaskError as exc:
+                errors[i] = str(getattr(exc, "cause", None) or exc)
+            if i not in results and failed_at is None:
+                failed_at = time.monotonic()
+    stuck = sorted(pending.values())
+    for i in stuck:
+        ray.kill(handles[i], no_restart=True)
+    if not (lost or errors or stuck):
+        return results
+    if errors and not lost and not all(_is_collective_error(e) for e in errors.values()):
+        grouped: dict[str, list[str]] = {}
+        for i, e in errors.items():
+            grouped.setdefault(_first_line(e), []).append(f"shard {i}")
+        err: PoolError = WorkError(what, grouped)  # a bug or bad data: not worth retrying
+    elif failed_at is None:
+        err = CallTimeoutError(f"{what!r} on shard(s) {stuck} did not return within {timeout_s:g} s; those trainers were killed")
+    else:
+        parts = [f"shard {i}: trainer lost ({why})" for i, why in sorted(lost.items())]
+        parts += [f"shard {i}: {_first_line(e)}" for i, e in sorted(errors.items())]
+        parts += [f"shard {i}: still in the collective {grace_s:g} s after the first failure, killed" for i in stuck]
+        err = GroupLost(f"{what!r} failed: " + "; ".join(parts), actor=", ".join(f"shard {i}" for i in sorted(lost) or stuck or sorted(errors)))
+    err.role = ROLE  # the failure policy counts failures per role
+    raise err
+
+
+def drain(chunks: dict[int, ObjectRefGenerator], handles: dict[int, Any], *, grace_s: float) -> None:
+    """Wait until every stream has ended (a broken collective ends them with an error);
+    kill the trainers whose stream is still running after ``grace_s``."""
+    pending = {gen: i for i, gen in chunks.items()}
+    deadline = time.monotonic() + grace_s
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+        for gen in done:
+            try:
+                ray.get(next(gen), timeout=max(1.0, left))
+            except StopIteration:
+                pending.pop(gen)
+            except Exception:  # noqa: BLE001 - a stream that raised (its trainer died or its collective broke) has ended
+                pending.pop(gen)
+    for i in pending.values():
+        ray.kill(handles[i], no_restart=True)
+
+
+@dataclass
+class _Stream:
+    """A group boosting in one collective session: its tracker and one generator per shard."""
+
+    tracker: _Tracker
+    chunks: dict[int, ObjectRefGenerator]
+
+
+def speed_shards(rows: int, speeds: list[float]) -> list[tuple[int, int]]:
+    """Row ranges in proportion to ``speeds`` (largest remainder), in order.
+
+    >>> speed_shards(9, [1.0, 2.0])
+    [(0, 3), (3, 9)]
+    """
+    sizes = split_by_speed(rows, speeds)
+    if min(sizes) < 1:
+        raise ValueError(f"{rows} rows over speeds {speeds} leave a shard empty ({sizes}); use fewer trainers")
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# ---------------------------------------------------------------- the workload
+
+
+class XGBoostWorkload:
+    name = "xgboost"
+
+    def __init__(self, config: XGBoostJobConfig):
+        cfg.validate(config)  # derived fields and the data peek, also for configs built in code
+        self.config = config
+        self.prep = prepare(config)
+        first = self.prep.metrics[0]
+        self.main_metric = f"{self.prep.evals[-1]}-{first}" if self.prep.evals else "round"
+        self.guarded_metrics = tuple(f"{s}-{first}" for s in self.prep.evals[:1])
+        self.progress_metrics = ("round",) + tuple(f"{self.prep.evals[-1]}-{m}" for m in self.prep.metrics if self.prep.evals)
+        self.pool: ActorPool | None = None
+        self.ctx: Context | None = None
+        self.shards: list[Shard] = []
+        self.holders: dict[int, Any] = {}  # shard index -> the trainer holding it
+        self.members: dict[int, dict[str, Any]] = {}  # shard index -> its trainer's node, pid, rows
+        self.group = 0  # bumped whenever the group changes: every trainer then rebuilds its matrices
+        self.stream: _Stream | None = None
+        self.model: bytes | None = None
+        self.round = 0
+        self.history: dict[str, list[float]] = {}
+
+    def roles(self) -> list[RoleSpec]:
+        c = self.config
+        return [RoleSpec(ROLE, {"CPU": float(c.threads)}, count=c.trainers, stateful=not c.prefer_spot)]
+
+    def setup(self, ctx: Context) -> None:
+        c, d = self.config, self.config.data
+        self.ctx = ctx
+        trainer = TrainerConfig(self.prep.table, d.eval_fraction, d.seed, c.threads, self.prep.quantile)
+        self.pool = ActorPool(self.roles()[0], XGBoostTrainer, actor_args=lambda key: ((trainer,), {}), size=c.trainers, start_timeout_s=c.load_timeout_s)
+        self.pool.wait_ready(timeout_s=c.load_timeout_s)
+        self._ensure_group()
+
+    def _ensure_group(self) -> None:
+        """Every shard on a live trainer: dead trainers are replaced and their shards reloaded
+        into the replacements, while survivors keep theirs."""
+        assert self.pool is not None and self.ctx is not None
+        c = self.config
+        self.pool.call_all("where", timeout_s=c.load_timeout_s)  # a dead trainer is evicted and replaced here
+        self.pool.wait_ready(timeout_s=c.load_timeout_s)
+        live = self.pool.actors()
+        if not self.shards:
+            held, loads = {}, self._plan_shards(live)
+        else:
+            held = {i: h for i, h in self.holders.items() if h in live}
+            free = [h for h in live if h not in held.values()]
+            loads = dict(zip([i for i in range(len(self.shards)) if i not in held], free))
+        if not loads:
+            return
+        t0 = time.monotonic()
+        infos = collect({i: h.load.remote(self.shards[i]) for i, h in loads.items()}, loads, what="load", timeout_s=c.load_timeout_s, grace_s=c.load_timeout_s)
+        self.holders = {**held, **loads}
+        self.members = {**{i: self.members[i] for i in held}, **{i: infos[i] for i in loads}}
+        self.group += 1
+        event = {"group": self.group, "loaded": sorted(loads), "kept": sorted(held), "nodes": {str(i): infos[i]["node"] for i in sorted(loads)}, "seconds": round(time.monotonic() - t0, 3)}
+        self.ctx.log.event("xgboost_group", **event)
+
+    def _plan_shards(self, live: list[Any]) -> dict[int, Any]:
+        """Shard sizes follow the speed of the node each trainer landed on (shard 0 on the
+        fastest); returns which trainer loads which shard."""
+        assert self.ctx is not None
+        where = ray.get([h.where.remote() for h in live], timeout=self.config.load_timeout_s)
+        known = {n.node_id: n.speed for n in self.ctx.cluster.nodes}
+        speeds = [known.get(w["node"], 1.0) for w in where]
+        order = sorted(range(len(live)), key=lambda k: (-speeds[k], where[k]["node"], k))
+        ranges = speed_shards(self.prep.table.rows, [speeds[k] for k in order])
+        self.shards = [Shard(i, a, b) for i, (a, b) in enumerate(ranges)]
+        self.ctx.log.event("xgboost_shards", shards=[[s.start, s.stop] for s in self.shards], speeds=[speeds[k] for k in order])
+        return {i: live[k] for i, k in enumerate(order)}
+
+    def step(self, step: int) -> dict[str, Any]:
+        c = self.config
+        if self.stream is None:
+            self._ensure_group()
+            self.stream = self._start_stream()
+        expected = min(self.round + c.checkpoint_every, c.num_boost_round)
+        t0 = time.monotonic()
+        try:
+            items = collect(self.stream.chunks, self.holders, what="train", timeout_s=c.chunk_timeout_s, grace_s=c.collective_timeout_s + 5)
+            rounds = {item["round"] for item in items.values()}
+            if rounds != {expected}:
+                raise RuntimeError(f"trainers reached rounds {sorted(rounds)}, expected {expected}")
+            if len({item["model_sha256"] for item in items.values()}) != 1:
+                raise RuntimeError(f"the trainers' models differ after round {expected}: the collective did not keep them in step")
+        except BaseException:
+            self._end_stream("failed")
+            raise
+        lead = next(item for item in items.values() if "model" in item)
+        self.model = lead["model"]
+        self.round = expected
+        per_round = {f"{s}-{m}": [float(v) for v in values] for s, by_metric in lead["history"].items() for m, values in by_metric.items()}
+        for key, values in per_round.items():
+            self.history.setdefault(key, []).extend(values)
+        self._log_rounds(per_round)
+        if self.round >= c.num_boost_round:
+            self._end_stream("finished")
+        metrics: dict[str, Any] = {"round": self.round, **{k: v[-1] for k, v in per_round.items()}}
+        # chunk_s: what the driver waited; boost_s: what the slowest trainer computed (the group
+        # works on while the driver checkpoints, so chunk_s can be the smaller).
+        metrics.update(trainers=len(items), chunk_s=round(time.monotonic() - t0, 3), boost_s=round(max(i["seconds"] for i in items.values()), 3), build_s=round(max(i["build_s"] for i in items.values()), 3))
+        return metrics
+
+    def _start_stream(self) -> _Stream:
+        c = self.config
+        tracker = _Tracker(len(self.shards), c.collective_timeout_s)
+        args = tracker.worker_args()
+        model_ref = None if self.model is None else ray.put(self.model)
+        rounds = c.num_boost_round - self.round
+        chunks = {i: h.train.remote(args, self.group, model_ref, self.round, rounds, c.checkpoint_every, self.prep.params, self.prep.evals) for i, h in self.holders.items()}
+        return _Stream(tracker, chunks)
+
+    def _end_stream(self, outcome: str) -> None:
+        """Close the running stream: ``finished`` (all rounds done) or ``failed`` (the group
+        broke: wait for every trainer to leave the collective, kill those that do not, and
+        make all rebuild their matrices in the next group)."""
+        if self.stream is None:
+            return
+        stream, self.stream = self.stream, None
+        if outcome == "failed":
+            self.group += 1
+            drain(stream.chunks, self.holders, grace_s=self.config.collective_timeout_s + 5)
+        stream.tracker.close(finished=outcome == "finished")
+
+    def _log_rounds(self, per_round: dict[str, list[float]]) -> None:
+        """One line per round in ``rounds.jsonl`` (metrics.jsonl has one per chunk)."""
+        assert self.ctx is not None
+        first = self.round - len(next(iter(per_round.values()), []))
+        with open(Path(self.ctx.run_dir) / "rounds.jsonl", "a") as f:
+            for k in range(self.round - first):
+                f.write(json.dumps({"round": first + k + 1, **{key: values[k] for key, values in per_round.items()}}) + "\n")
+
+    def finish(self, ctx: Context) -> None:
+        """At the end of the run: model.ubj (loadable by plain xgboost.Booster) and
+        history.json (every metric, every round) in the run folder."""
+        if self.model is None:
+            return
+        for name, payload in (("model.ubj", self.model), ("history.json", json.dumps(self.history).encode())):
+            path = Path(ctx.run_dir) / name
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_bytes(payload)
+            os.replace(tmp, path)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model, "round": self.round, "history": {k: list(v) for k, v in self.history.items()}, "shards": [[s.start, s.stop] for s in self.shards]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model = state["model"]
+        self.round = int(state["round"])
+        self.history = {k: [float(x) for x in v] for k, v in state["history"].items()}
+        if self.shards and state.get("shards") != [[s.start, s.stop] for s in self.shards]:
+            log.warning("xgboost: the checkpoint was trained on shards %s, this run has %s; training continues on the new shards", state.get("shards"), [[s.start, s.stop] for s in self.shards])
+        if self.ctx is not None:
+            self.ctx.log.event("xgboost_resume", round=self.round)
+        self._end_stream("failed")  # a stream continues the model it started from, not this one
+
+    def done(self, step: int, metrics: dict[str, Any]) -> bool:
+        return self.round >= self.config.num_boost_round
+
+    def pools(self) -> dict[str, ActorPool]:
+        return {} if self.pool is None else {ROLE: self.pool}
+
+    def recover(self, ctx: Context, error: BaseException) -> None:
+        self.ctx = ctx
+        self._end_stream("failed")
+        self._ensure_group()
+
+    def close(self) -> None:
+        stream, self.stream = self.stream, None
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+        if stream is not None:  # after the trainers are gone: a tracker with live workers frees slowly
+            stream.tracker.close(finished=False)
+
+
+JOB = JobSpec("xgboost", "Distributed XGBoost over trainer actors, one data shard each, resuming from the last chunk when a trainer is lost.", XGBoostJobConfig, XGBoostWorkload)
+
+if __name__ == "__main__":
+    job_main(JOB)
