@@ -2,7 +2,7 @@
 
 Every run trains the same problem: ``--rows`` generated rows x ``--features`` (raylane's
 ``synthetic:classification``), ``--rounds`` rounds of depth-6 ``hist`` trees, with the
-training logloss evaluated every round, and is scored by AUC on the same held-out rows
+training logloss evaluated every round (``--no-eval``: none), and is scored by AUC on the same held-out rows
 (the next 200,000 rows of the generator, never trained on). Wall times are end to end:
 from nothing to a trained model in this process, data generation included; starting Ray
 itself is not counted (it is shared by (b), (c) and (d)).
@@ -15,7 +15,7 @@ itself is not counted (it is shared by (b), (c) and (d)).
     and ``RayTrainReportCallback``
 
     pip install -e ".[bench]"
-    python benchmarks/xgboost.py [--rows 1000000] [--rounds 100] [--repeats 1]
+    python benchmarks/xgboost.py [--rows 1000000] [--rounds 100] [--repeats 3] [--no-eval] [--skip-ray-train]
 """
 
 from __future__ import annotations
@@ -44,18 +44,19 @@ from raylane.runlog import read_jsonl  # noqa: E402
 
 SEED = 0
 HELD_OUT = 200_000
+NAMES = {"a": "(a) xgboost.train, 1 process x 2 threads", "b": "(b) raylane, 2 trainers x 1 thread", "c": "(c) raylane, 1 trainer x 2 threads", "d": "(d) Ray Train XGBoostTrainer, 2 workers"}
 PARAMS = {"objective": "binary:logistic", "tree_method": "hist", "max_depth": 6, "eta": 0.3, "seed": SEED, "eval_metric": ["logloss"]}
 
 
-def plain(rows: int, features: int, rounds: int) -> tuple[float, xgb.Booster]:
+def plain(rows: int, features: int, rounds: int, evals: bool) -> tuple[float, xgb.Booster]:
     t0 = time.perf_counter()
     x, y = synthetic_rows("classification", SEED, features, 0, rows)
     dtrain = xgb.QuantileDMatrix(x, y, nthread=2)
-    booster = xgb.train({**PARAMS, "nthread": 2}, dtrain, rounds, evals=[(dtrain, "train")], verbose_eval=False)
+    booster = xgb.train({**PARAMS, "nthread": 2}, dtrain, rounds, evals=[(dtrain, "train")] if evals else [], verbose_eval=False)
     return time.perf_counter() - t0, booster
 
 
-def raylane(rows: int, features: int, rounds: int, trainers: int, threads: int, runs_dir: str) -> tuple[float, xgb.Booster, dict]:
+def raylane(rows: int, features: int, rounds: int, evals: bool, trainers: int, threads: int, runs_dir: str) -> tuple[float, xgb.Booster, dict]:
     wait_cpus_free()
     name = f"bench-{trainers}x{threads}-{time.time_ns()}"
     t0, started_at = time.perf_counter(), time.time()
@@ -65,6 +66,7 @@ def raylane(rows: int, features: int, rounds: int, trainers: int, threads: int, 
         num_boost_round=rounds,
         trainers=trainers,
         threads=threads,
+        eval_train=evals,
     )
     conf.driver = DriverConfig(run_name=name, runs_dir=runs_dir, progress=False)
     summary = Driver(XGBoostWorkload(conf), conf.driver).run()
@@ -77,7 +79,7 @@ def raylane(rows: int, features: int, rounds: int, trainers: int, threads: int, 
     return wall, xgb.Booster(model_file=str(run / "model.ubj")), detail
 
 
-def ray_train(rows: int, features: int, rounds: int, storage: str) -> tuple[float, xgb.Booster]:
+def ray_train(rows: int, features: int, rounds: int, evals: bool, storage: str) -> tuple[float, xgb.Booster]:
     import pandas as pd
     import ray.train
     from ray.train.xgboost import RayTrainReportCallback, XGBoostTrainer
@@ -92,11 +94,12 @@ def ray_train(rows: int, features: int, rounds: int, storage: str) -> tuple[floa
     def train_fn_per_worker(config: dict) -> None:
         shard = ray.train.get_dataset_shard("train").materialize().to_pandas()
         dtrain = xgb.DMatrix(shard.drop("label", axis=1), label=shard["label"])
-        xgb.train(config["params"], dtrain=dtrain, evals=[(dtrain, "train")], num_boost_round=config["rounds"], callbacks=[RayTrainReportCallback()])
+        watch = [(dtrain, "train")] if config["evals"] else []
+        xgb.train(config["params"], dtrain=dtrain, evals=watch, num_boost_round=config["rounds"], callbacks=[RayTrainReportCallback()])
 
     trainer = XGBoostTrainer(
         train_fn_per_worker,
-        train_loop_config={"params": {**PARAMS, "nthread": 1}, "rounds": rounds},
+        train_loop_config={"params": {**PARAMS, "nthread": 1}, "rounds": rounds, "evals": evals},
         datasets={"train": train_ds},
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(storage_path=storage, name=f"bench-{time.time_ns()}"),
@@ -128,24 +131,29 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--features", type=int, default=28)
     ap.add_argument("--rounds", type=int, default=100)
-    ap.add_argument("--repeats", type=int, default=1, help="run every configuration this many times; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=3, help="run every configuration this many times; the fastest counts")
     ap.add_argument("--skip-ray-train", action="store_true", help="leave out (d), e.g. without ray[train] installed")
+    ap.add_argument("--no-eval", action="store_true", help="no per-round training metric in any run (pure boosting)")
     args = ap.parse_args()
     xt, yt = synthetic_rows("classification", SEED, args.features, args.rows, args.rows + HELD_OUT)
     held_out = xgb.DMatrix(xt, feature_names=[f"f{i}" for i in range(args.features)])
-    names = {"a": "(a) xgboost.train, 1 process x 2 threads", "b": "(b) raylane, 2 trainers x 1 thread", "c": "(c) raylane, 1 trainer x 2 threads", "d": "(d) Ray Train XGBoostTrainer, 2 workers"}
-    walls: dict[str, list[float]] = {k: [] for k in names}
+    with tempfile.TemporaryDirectory(prefix="raylane-bench-") as tmp:
+        walls, auc, details = run_all(args, Path(tmp), held_out, yt)
+    report(args, walls, auc, details)
+
+
+def run_all(args: argparse.Namespace, work: Path, held_out: xgb.DMatrix, yt) -> tuple[dict, dict, dict]:
+    walls: dict[str, list[float]] = {k: [] for k in NAMES}
     auc: dict[str, float] = {}
     details: dict[str, dict] = {}
-    work = Path(tempfile.mkdtemp(prefix="raylane-bench-"))
     for _ in range(args.repeats):
         # (a) runs while Ray is down: a plain process pays for no Ray daemons.
-        wall, booster = plain(args.rows, args.features, args.rounds)
+        wall, booster = plain(args.rows, args.features, args.rounds, not args.no_eval)
         walls["a"].append(wall)
         auc["a"] = roc_auc_score(yt, booster.predict(held_out))
         start_ray()
         for key, (trainers, threads) in (("b", (2, 1)), ("c", (1, 2))):
-            wall, booster, detail = raylane(args.rows, args.features, args.rounds, trainers, threads, str(work / "runs"))
+            wall, booster, detail = raylane(args.rows, args.features, args.rounds, not args.no_eval, trainers, threads, str(work / "runs"))
             walls[key].append(wall)
             if wall == min(walls[key]):
                 details[key] = detail
@@ -153,14 +161,19 @@ def main() -> None:
         ray.shutdown()
     if not args.skip_ray_train:  # once: it takes minutes
         start_ray()
-        wall, booster = ray_train(args.rows, args.features, args.rounds, str(work / "ray_results"))
+        wall, booster = ray_train(args.rows, args.features, args.rounds, not args.no_eval, str(work / "ray_results"))
         walls["d"].append(wall)
         auc["d"] = roc_auc_score(yt, booster.predict(held_out))
         ray.shutdown()
+    return walls, auc, details
+
+
+def report(args: argparse.Namespace, walls: dict, auc: dict, details: dict) -> None:
     best = {k: min(v) for k, v in walls.items() if v}
-    print(f"\n{args.rows:,} rows x {args.features} features, {args.rounds} rounds, depth 6, hist; AUC on {HELD_OUT:,} held-out rows; best of {args.repeats}")
+    metric = "no per-round metric" if args.no_eval else "training logloss every round"
+    print(f"\n{args.rows:,} rows x {args.features} features, {args.rounds} rounds, depth 6, hist, {metric}; AUC on {HELD_OUT:,} held-out rows; best of {args.repeats}")
     print(f"{'run':<44} {'wall s':>8} {'vs (a)':>7} {'AUC':>8} {'AUC-(a)':>9}")
-    for key, label in names.items():
+    for key, label in NAMES.items():
         if key in best:
             print(f"{label:<44} {best[key]:>8.2f} {best[key] / best['a']:>7.2f} {auc[key]:>8.4f} {auc[key] - auc['a']:>+9.4f}")
     ratios = {"b/a": best["b"] / best["a"], "c/a": best["c"] / best["a"]}
