@@ -287,6 +287,24 @@ class ActorPool:
             self._lost_last = lost
             return out
 
+    def poll(self, wait_s: float = 0.0) -> None:
+        """Collect finished calls and start queued ones, waiting at most ``wait_s`` for a
+        call to finish. A pool moves work only while one of its methods runs; a caller
+        that keeps two pools busy at once (samplers feeding a trainer) polls the one it
+        is not waiting on."""
+        self._check_open()
+        try:
+            self._pump(max(0.0, wait_s))
+        except PoolError as exc:
+            exc.role = self.role.name
+            raise
+
+    def finished(self, ticket: int) -> bool:
+        """Whether :meth:`gather` would return ``ticket`` at once (a result, an error, or given up)."""
+        with self._lock:
+            tk = self._tickets.get(ticket)
+            return tk is None or tk.done or tk.error is not None or tk.lost is not None
+
     def cancel(self, tickets: Iterable[int]) -> None:
         """Give up tickets without waiting: queued ones never run, running results are dropped."""
         self._forget(tickets)

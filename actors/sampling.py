@@ -1,0 +1,133 @@
+"""Multi-hop neighbour sampling on a CSR graph, vectorised in numpy (pure functions).
+
+Written here rather than taken from PyG: its ``NeighborLoader`` needs pyg-lib or
+torch-sparse, which are not installable from the package index for every platform, and
+its distributed sampler is deprecated. The algorithm is the standard GraphSAGE one:
+hop 1 samples up to ``fanouts[0]`` in-neighbours of every seed, hop ``h`` samples up to
+``fanouts[h-1]`` in-neighbours of the nodes that hop ``h-1`` added, all without
+replacement. One numpy pass per hop, never a Python loop per node.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+def check_fanouts(fanouts: Sequence[int]) -> tuple[int, ...]:
+    """The fan-outs as a tuple; a clear error for an empty list or a value below 1."""
+    fanouts = tuple(int(f) for f in fanouts)
+    if not fanouts:
+        raise ValueError("fanouts is empty: give one positive fan-out per GNN layer, e.g. [15, 10]")
+    bad = [f for f in fanouts if f < 1]
+    if bad:
+        raise ValueError(f"fanouts {list(fanouts)} holds {bad[0]}: every fan-out must be >= 1 (neighbours sampled per node per layer)")
+    return fanouts
+
+
+def sample_subgraph(
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    seeds: np.ndarray,
+    fanouts: Sequence[int],
+    rng: np.random.Generator,
+    scratch: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Sample the ``len(fanouts)``-hop neighbourhood of ``seeds``.
+
+    Returns ``n_id`` (global ids of the sampled nodes, seeds first, no duplicates),
+    ``edge_index`` ([2, E] in local ids: row 0 the neighbour, row 1 the node that
+    aggregates it, PyG's source-to-target order), ``num_sampled_nodes`` (nodes added per
+    hop, seeds first) and ``num_sampled_edges`` (edges per hop). ``scratch`` is an int64
+    array of length num_nodes filled with -1 (reused between calls to avoid allocating
+    it per batch; it is left filled with -1 again).
+    """
+    num_nodes = indptr.shape[0] - 1
+    seeds = np.asarray(seeds, dtype=np.int64)
+    local = np.full(num_nodes, -1, dtype=np.int64) if scratch is None else scratch
+    if len(np.unique(seeds)) != len(seeds):
+        raise ValueError("seeds contain duplicates")
+    local[seeds] = np.arange(len(seeds))
+    parts, srcs, dsts = [seeds], [], []
+    n_nodes, edges_per_hop = [len(seeds)], []
+    frontier, total = seeds, len(seeds)
+    try:
+        for fan in fanouts:
+            start = indptr[frontier]
+            deg = indptr[frontier + 1] - start
+            take = np.minimum(deg, fan)
+            row_start = np.zeros(len(frontier) + 1, dtype=np.int64)
+            np.cumsum(deg, out=row_start[1:])
+            cand = int(row_start[-1])
+            if cand == 0:
+                n_nodes.append(0)
+                edges_per_hop.append(0)
+                frontier = frontier[:0]
+                continue
+            row_of = np.repeat(np.arange(len(frontier)), deg)
+            rank = np.arange(cand) - row_start[row_of]
+            if bool((deg > fan).any()):
+                # Random keys grouped by row: sorting row + U[0,1) keeps every row's
+                # candidates together and in random order; the first `take` of each row
+                # are a uniform sample without replacement.
+                order = np.argsort(row_of + rng.random(cand), kind="stable")
+                chosen = order[rank < take[row_of]]
+            else:
+                chosen = np.arange(cand)
+            rows = row_of[chosen]
+            nbr = indices[start[rows] + rank[chosen]]
+            new = np.unique(nbr[local[nbr] < 0])
+            local[new] = np.arange(total, total + len(new))
+            total += len(new)
+            srcs.append(local[nbr])
+            dsts.append(local[frontier[rows]])
+            parts.append(new)
+            n_nodes.append(len(new))
+            edges_per_hop.append(len(nbr))
+            frontier = new
+        n_id = np.concatenate(parts)
+    finally:
+        for p in parts:
+            local[p] = -1
+    edge_index = np.stack([np.concatenate(srcs), np.concatenate(dsts)]) if srcs else np.zeros((2, 0), dtype=np.int64)
+    return {
+        "n_id": n_id,
+        "edge_index": edge_index,
+        "num_sampled_nodes": np.asarray(n_nodes, dtype=np.int64),
+        "num_sampled_edges": np.asarray(edges_per_hop, dtype=np.int64),
+    }
+
+
+# ----------------------------------------------------------------------------- epochs
+
+
+def batches_per_part(seed_counts: Sequence[int], batch_size: int) -> list[int]:
+    return [math.ceil(c / batch_size) for c in seed_counts]
+
+
+def epoch_plan(seed_counts: Sequence[int], batch_size: int) -> list[tuple[int, int]]:
+    """The epoch's batches as ``(part, index)`` pairs, the parts interleaved round-robin so
+    every sampler has work at any point of the epoch. The same for every epoch."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    per = batches_per_part(seed_counts, batch_size)
+    out = []
+    for i in range(max(per, default=0)):
+        out.extend((p, i) for p, n in enumerate(per) if i < n)
+    return out
+
+
+def batch_seeds(part_seeds: np.ndarray, *, seed: int, epoch: int, part: int, index: int, batch_size: int) -> np.ndarray:
+    """Seeds of batch ``index`` of ``part`` in ``epoch``: a slice of the part's seeds in an
+    order drawn from (seed, epoch, part), so any sampler, a replacement included, produces
+    the same batch, and one epoch's batches of a part cover its seeds exactly once."""
+    perm = np.random.default_rng([seed, epoch, part]).permutation(len(part_seeds))
+    return part_seeds[perm[index * batch_size : (index + 1) * batch_size]]
+
+
+def batch_rng(*, seed: int, epoch: int, part: int, index: int) -> np.random.Generator:
+    """The neighbour-sampling randomness of one batch (deterministic, so a batch redone
+    after a lost sampler is the batch the lost one would have produced)."""
+    return np.random.default_rng([seed, epoch, part, index, 1])

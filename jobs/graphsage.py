@@ -1,0 +1,326 @@
+"""``raylane run graphsage``: GraphSAGE trained on mini-batches made by sampler actors.
+
+The graph (generated, or read from a folder of arrays) is split into one METIS part per
+sampler and put into the object store once. An epoch is a fixed list of batches, each
+named by (part, index) and drawn from the training seeds of its part; the driver keeps
+``prefetch`` of them in flight on the sampler pool and hands them to the trainer in epoch
+order, so sampling runs on the (spot) samplers while the (on-demand) trainer computes.
+A sampler lost mid-epoch costs nothing but time: its batch is made again, identically,
+by another sampler or its replacement, and the epoch still visits every training seed
+exactly once (checked at the end of every epoch). The trainer checkpoints model,
+optimizer, random state, epoch and position; a restarted driver goes on from there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from raylane import config as cfg
+from raylane.actors.gnn_sampler import GNNSamplerActor, SamplerConfig
+from raylane.actors.graph import SharedGraph, load_graph, sbm_graph, to_shared
+from raylane.actors.sage import GNNTrainerActor, TrainerConfig
+from raylane.actors.sampling import check_fanouts, epoch_plan
+from raylane.driver import Context, DriverConfig
+from raylane.launch import job_main
+from raylane.placement import RoleSpec
+from raylane.pool import ActorPool, PoolError
+from raylane.registry import JobSpec
+
+SAMPLERS, TRAINER = "gnn_sampler", "gnn_trainer"
+
+
+@dataclass
+class GraphSource:
+    """Where the graph comes from."""
+
+    path: str | None = None
+    """A folder of .npy arrays, an .npz file, or a folder with nodes.parquet + edges.parquet (local or any pyarrow URI); null: generate a stochastic-block-model graph."""
+    nodes: int = cfg.field(5000, ge=16)
+    """Generated graph: nodes."""
+    avg_degree: float = cfg.field(20.0, gt=0)
+    """Generated graph: mean degree (edges are stored in both directions)."""
+    classes: int = cfg.field(8, ge=2)
+    """Generated graph: classes (blocks)."""
+    feature_dim: int = cfg.field(32, ge=1)
+    """Generated graph: feature width."""
+    homophily: float = cfg.field(0.8, ge=0, le=1)
+    """Generated graph: fraction of edges inside a class."""
+    feature_signal: float = cfg.field(0.3, ge=0)
+    """Generated graph: class signal in the features relative to unit noise (small: features alone are weak)."""
+    train_fraction: float = cfg.field(0.5, gt=0, lt=1)
+    """Generated graph: share of nodes in the training mask."""
+    val_fraction: float = cfg.field(0.25, ge=0, lt=1)
+    """Generated graph: share of nodes in the validation mask (the rest is test)."""
+    seed: int = 0
+    """Generated graph: seed."""
+
+    def validate(self) -> None:
+        if self.path is None and self.train_fraction + self.val_fraction >= 1:
+            raise ValueError(f"train_fraction + val_fraction = {self.train_fraction + self.val_fraction:g}: must be < 1 to leave test nodes")
+
+    def load(self):
+        if self.path is not None:
+            return load_graph(self.path)
+        return sbm_graph(
+            self.nodes, num_classes=self.classes, avg_degree=self.avg_degree, homophily=self.homophily, feature_dim=self.feature_dim,
+            feature_signal=self.feature_signal, train_fraction=self.train_fraction, val_fraction=self.val_fraction, seed=self.seed,
+        )
+
+
+@dataclass
+class GraphSAGEConfig:
+    """Mini-batch GraphSAGE with sampler actors (stateless, spot) and one trainer (stateful, on-demand, a GPU where present)."""
+
+    graph: GraphSource = field(default_factory=GraphSource)
+    """The graph."""
+    fanouts: list[int] = cfg.field(default_factory=lambda: [10, 5])
+    """Neighbours sampled per node for each layer, hop 1 first; one entry per SAGEConv layer."""
+    batch_size: int = cfg.field(256, ge=1)
+    """Seed (training) nodes per batch."""
+    hidden: int = cfg.field(128, ge=1)
+    """Hidden width."""
+    layers: int | None = cfg.field(None, ge=1)
+    """SAGEConv layers; must equal len(fanouts) (null: take it from fanouts)."""
+    dropout: float = cfg.field(0.2, ge=0, lt=1)
+    """Dropout between layers."""
+    lr: float = cfg.field(3e-3, gt=0)
+    """Adam learning rate."""
+    weight_decay: float = cfg.field(0.0, ge=0)
+    """Adam weight decay."""
+    samplers: int = cfg.field(2, ge=1)
+    """Sampler actors, and METIS parts of the graph (one per sampler)."""
+    max_samplers: int = cfg.field(16, ge=1)
+    """Most sampler actors the pool may grow to."""
+    sampler_cpus: float = cfg.field(0.5, gt=0)
+    """CPUs reserved per sampler."""
+    trainer_cpus: float = cfg.field(1.0, gt=0)
+    """CPUs reserved for the trainer."""
+    epochs: int = cfg.field(5, ge=1)
+    """Passes over the training nodes."""
+    prefetch: int = cfg.field(4, ge=1)
+    """Batches in flight on the samplers ahead of the trainer."""
+    batches_per_step: int = cfg.field(8, ge=1)
+    """Batches per driver step (a step never crosses an epoch end); checkpoints are every driver.checkpoint_every_steps steps."""
+    batch_timeout_s: float = cfg.field(120.0, gt=0)
+    """Longest wait for one sampled batch or one training call."""
+    seed: int = 0
+    """Seed of the seed order, the neighbour sampling, the weights and dropout."""
+    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=1_000_000, checkpoint_every_steps=5))
+    """Run name, stop rules, checkpoints."""
+
+    def validate(self) -> None:
+        check_fanouts(self.fanouts)
+        if self.layers is not None and self.layers != len(self.fanouts):
+            raise ValueError(f"layers={self.layers} but fanouts {list(self.fanouts)} has {len(self.fanouts)} entries: give one fan-out per layer")
+        if self.samplers > self.max_samplers:
+            raise ValueError(f"samplers ({self.samplers}) must not exceed max_samplers ({self.max_samplers})")
+
+
+class GraphSAGEWorkload:
+    name = "graphsage"
+    main_metric = "test_acc"
+    guarded_metrics = ("loss",)
+    progress_metrics = ("epoch", "loss", "val_acc", "seeds_per_s")
+
+    def __init__(self, config: GraphSAGEConfig, graph: SharedGraph | None = None):
+        self.config = config
+        c = config
+        cfg.validate(config)
+        # Everything about the input is checked here, before any actor starts.
+        self.graph = graph if graph is not None else to_shared(c.graph.load(), c.samplers, seed=c.seed)
+        self.plan = epoch_plan([len(s) for s in self.graph.train_seeds], c.batch_size)
+        self.n_train = sum(len(s) for s in self.graph.train_seeds)
+        self.cursor = 0  # global batch number: epoch * len(plan) + position
+        self.coverage = np.zeros(self.graph.num_nodes, dtype=np.int32)
+        self.last_eval: dict[str, float] = {}
+        self.samplers: ActorPool | None = None
+        self.trainer: ActorPool | None = None
+        self._graph_ref = None
+        self._inflight: dict[int, int] = {}  # global batch number -> sampler ticket
+        self._ctx: Context | None = None
+
+    # ---------------------------------------------------------------- roles and set-up
+
+    def roles(self) -> list[RoleSpec]:
+        c = self.config
+        return [
+            RoleSpec(TRAINER, {"CPU": c.trainer_cpus}, count=1, stateful=True, accelerator="prefer"),
+            RoleSpec(SAMPLERS, {"CPU": c.sampler_cpus}, min_count=1, max_count=c.max_samplers),
+        ]
+
+    def _trainer_config(self) -> TrainerConfig:
+        c, g = self.config, self.graph
+        return TrainerConfig(in_dim=int(g.x.shape[1]), num_classes=g.num_classes, hidden=c.hidden, layers=len(c.fanouts),
+                             dropout=c.dropout, lr=c.lr, weight_decay=c.weight_decay, seed=c.seed)
+
+    def _sampler_args(self, key: int) -> tuple[tuple, dict]:
+        c = self.config
+        sc = SamplerConfig(tuple(c.fanouts), c.batch_size, c.seed, home_part=key % self.graph.num_parts)
+        return (sc, self._graph_ref), {}
+
+    def setup(self, ctx: Context) -> None:
+        c = self.config
+        self._ctx = ctx
+        # One copy in the object store; every actor on a node maps the same pages.
+        self._graph_ref = ray.put(self.graph)
+        roles = {r.name: r for r in self.roles()}
+        tc = self._trainer_config()
+        self.trainer = ActorPool(roles[TRAINER], GNNTrainerActor, actor_args=lambda key: ((tc, self._graph_ref), {}), size=1, call_timeout_s=c.batch_timeout_s)
+        size = max(1, min(c.samplers, ctx.count(SAMPLERS)))
+        self.samplers = ActorPool(roles[SAMPLERS], GNNSamplerActor, actor_args=self._sampler_args, size=size, call_timeout_s=c.batch_timeout_s, on_timeout="retry")
+        self.trainer.wait_ready(timeout_s=180)
+        self.samplers.wait_ready(timeout_s=180)
+        ctx.log.event("graph", nodes=self.graph.num_nodes, edges=self.graph.num_edges, parts=self.graph.num_parts,
+                      train=self.n_train, batches_per_epoch=len(self.plan), part_seeds=[len(s) for s in self.graph.train_seeds])
+
+    # ---------------------------------------------------------------- one step
+
+    @property
+    def total_batches(self) -> int:
+        return self.config.epochs * len(self.plan)
+
+    def _fill(self, start: int) -> None:
+        """Keep batches start .. start+prefetch-1 in flight (never past the last epoch)."""
+        assert self.samplers is not None
+        stop = min(start + self.config.prefetch, self.total_batches)
+        for b in range(start, stop):
+            if b not in self._inflight:
+                epoch, pos = divmod(b, len(self.plan))
+                part, index = self.plan[pos]
+                self._inflight[b] = self.samplers.submit("batch", epoch, part, index)
+
+    def _trainer_call(self, method: str, *args: Any) -> Any:
+        assert self.trainer is not None
+        self.trainer.wait_for(1, timeout_s=180)
+        results = self.trainer.call_all(method, *args, timeout_s=max(300.0, self.config.batch_timeout_s), require_all=True)
+        if len(results) != 1:
+            raise PoolError(f"expected one trainer to answer {method!r}, got {len(results)}")
+        return results[0]
+
+    def _await(self, pool: ActorPool, ticket: int, *, other: ActorPool) -> Any:
+        """The result of ``ticket``, keeping ``other`` moving meanwhile: samplers go on
+        prefetching while the trainer computes, and the trainer gets its next queued
+        batch the moment it finishes one while the driver waits for a sample."""
+        deadline = time.monotonic() + self.config.batch_timeout_s
+        while not pool.finished(ticket) and time.monotonic() < deadline:
+            other.poll(0.0)
+            pool.poll(0.005)
+        return pool.gather([ticket], timeout_s=max(0.0, deadline - time.monotonic()))[ticket]
+
+    def step(self, step: int) -> dict[str, Any]:
+        assert self.samplers is not None and self.trainer is not None and self._ctx is not None
+        c = self.config
+        t0 = time.perf_counter()
+        epoch, pos = divmod(self.cursor, len(self.plan))
+        end = self.cursor + min(c.batches_per_step, len(self.plan) - pos)  # a step never crosses an epoch end
+        wait_s = 0.0
+        train_tickets = []
+        for b in range(self.cursor, end):
+            self._fill(b)
+            tw = time.perf_counter()
+            batch = self._await(self.samplers, self._inflight.pop(b), other=self.trainer)
+            wait_s += time.perf_counter() - tw
+            part, index = self.plan[b % len(self.plan)]
+            if tuple(batch["key"]) != (epoch, part, index):
+                raise RuntimeError(f"sampler returned batch {batch['key']} for {(epoch, part, index)}")
+            np.add.at(self.coverage, batch["n_id"][: batch["batch_size"]], 1)
+            # Queued behind the trainer's current call; started the moment it returns.
+            train_tickets.append(self.trainer.submit("train", _strip(batch), retry=False))
+            self._fill(b + 1)
+        tw = time.perf_counter()
+        results = {t: self._await(self.trainer, t, other=self.samplers) for t in train_tickets}
+        train_wait = time.perf_counter() - tw
+        stats = [results[t] for t in train_tickets]
+        self.cursor = end
+        seeds = sum(s["seeds"] for s in stats)
+        elapsed = time.perf_counter() - t0
+        metrics: dict[str, Any] = {
+            "epoch": epoch + (end - epoch * len(self.plan)) / len(self.plan),
+            "batches": self.cursor,
+            "loss": float(np.average([s["loss"] for s in stats], weights=[s["seeds"] for s in stats])),
+            "train_acc": sum(s["correct"] for s in stats) / max(1, seeds),
+            "seeds_per_s": seeds / max(elapsed, 1e-9),
+            "sample_wait_s": wait_s,
+            "train_wait_s": train_wait,
+            "nodes_per_batch": float(np.mean([s["nodes"] for s in stats])),
+            "samplers": len(self.samplers.actors()),
+        }
+        if self.cursor % len(self.plan) == 0:
+            metrics.update(self._end_epoch(epoch))
+        return metrics
+
+    def _end_epoch(self, epoch: int) -> dict[str, Any]:
+        assert self._ctx is not None
+        train = np.concatenate(self.graph.train_seeds)
+        seen = self.coverage[train]
+        outside = int(self.coverage.sum() - seen.sum())
+        coverage = {"epoch": epoch, "train_nodes": int(len(train)), "min_visits": int(seen.min()), "max_visits": int(seen.max()), "visits_outside_train": outside}
+        self._ctx.log.event("epoch_coverage", **coverage)
+        if coverage["min_visits"] != 1 or coverage["max_visits"] != 1 or outside:
+            raise RuntimeError(f"epoch {epoch} did not visit every training seed exactly once: {coverage}")
+        self.coverage[:] = 0
+        self.last_eval = self._trainer_call("evaluate")
+        return {**self.last_eval, "epochs_done": epoch + 1}
+
+    def done(self, step: int, metrics: dict[str, Any]) -> bool:
+        return self.cursor >= self.total_batches
+
+    # ---------------------------------------------------------------- state and faults
+
+    def state_dict(self) -> dict:
+        return {
+            "trainer": self._trainer_call("state"),
+            "cursor": self.cursor,
+            "coverage": self.coverage.copy(),
+            "last_eval": dict(self.last_eval),
+            "plan_len": len(self.plan),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["plan_len"]) != len(self.plan):
+            raise ValueError(f"the checkpoint is of a run with {state['plan_len']} batches per epoch, this config makes {len(self.plan)}: "
+                             "resume with the same graph, samplers and batch_size, or start a new run name")
+        self._trainer_call("load_state", state["trainer"])
+        self.cursor = int(state["cursor"])
+        self.coverage = np.asarray(state["coverage"], dtype=np.int32).copy()
+        self.last_eval = dict(state["last_eval"])
+        if self.samplers is not None and self._inflight:
+            self.samplers.cancel(self._inflight.values())
+        self._inflight = {}
+
+    def pools(self) -> dict[str, ActorPool]:
+        out = {}
+        if self.trainer is not None:
+            out[TRAINER] = self.trainer
+        if self.samplers is not None:
+            out[SAMPLERS] = self.samplers
+        return out
+
+    def recover(self, ctx: Context, error: BaseException) -> None:
+        # The pools replace dead actors; a lost trainer comes back empty and the driver
+        # reloads the last checkpoint into it right after this.
+        assert self.trainer is not None and self.samplers is not None
+        self.trainer.wait_for(1, timeout_s=180)
+        self.samplers.wait_for(1, timeout_s=180)
+
+    def close(self) -> None:
+        for pool in (self.samplers, self.trainer):
+            if pool is not None:
+                pool.shutdown()
+        self.samplers = self.trainer = None
+
+
+def _strip(batch: dict) -> dict:
+    """Only what the trainer reads travels to it."""
+    return {k: batch[k] for k in ("x", "edge_index", "y", "batch_size", "key")}
+
+
+JOB = JobSpec("graphsage", "GraphSAGE on mini-batches from sampler actors over a METIS-partitioned graph; samplers on spot, trainer on demand.", GraphSAGEConfig, GraphSAGEWorkload)
+
+if __name__ == "__main__":
+    job_main(JOB)

@@ -1,0 +1,124 @@
+"""GraphSAGE on one local Ray: a fault-free run, a sampler killed mid-epoch, a trainer
+killed mid-step, and a driver stopped and started again, all against the same reference."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from raylane import config as cfg
+from raylane.driver import Driver
+from raylane.jobs.graphsage import GraphSAGEConfig, GraphSAGEWorkload
+from raylane.runlog import read_jsonl
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+# 3000 nodes, 1500 training seeds in two METIS parts, batches of 125: ~13 batches an epoch, 4 steps.
+BASE = ["graph.nodes=3000", "batch_size=125", "batches_per_step=4", "epochs=4", "samplers=2", "prefetch=4",
+        "driver.progress=false", "driver.tensorboard=false"]
+THRESHOLD = 0.85  # test accuracy the generated graph must reach (an MLP on the features gets ~0.6)
+
+
+def make(tmp_path, name: str, *overrides: str) -> tuple[GraphSAGEWorkload, Driver]:
+    conf = cfg.load_config(GraphSAGEConfig, overrides=BASE + [f"driver.runs_dir={tmp_path}"] + list(overrides))
+    conf.driver.run_name = name
+    workload = GraphSAGEWorkload(conf)
+    return workload, Driver(workload, conf.driver)
+
+
+def coverage(tmp_path, name: str) -> list[dict]:
+    return [e for e in read_jsonl(tmp_path / name / "events.jsonl") if e["event"] == "epoch_coverage"]
+
+
+@pytest.fixture(scope="module")
+def reference(ray_local, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gnn")
+    _, driver = make(tmp, "reference")
+    summary = driver.run()
+    assert summary["state"] == "finished" and summary["failures_recovered"] == 0
+    return summary["final_metrics"]
+
+
+def test_fault_free_run_learns_and_visits_every_seed_once_per_epoch(reference, tmp_path):
+    assert reference["test_acc"] >= THRESHOLD, reference
+    workload, driver = make(tmp_path, "again")
+    per_epoch = len(workload.plan)  # ~13: each METIS part's ~750 seeds in batches of 125
+    assert reference["epochs_done"] == 4 and reference["batches"] == 4 * per_epoch
+    again = driver.run()["final_metrics"]
+    assert again["test_acc"] == reference["test_acc"] and again["loss"] == reference["loss"]  # batches and order are fixed
+    cov = coverage(tmp_path, "again")
+    assert [c["epoch"] for c in cov] == [0, 1, 2, 3]
+    assert all(c["min_visits"] == c["max_visits"] == 1 and c["visits_outside_train"] == 0 and c["train_nodes"] == 1500 for c in cov)
+
+
+def test_a_sampler_killed_mid_epoch_is_replaced_and_the_epoch_completes(reference, tmp_path):
+    workload, driver = make(tmp_path, "samplerkill")
+    original = workload.step
+    killed: list[int] = []
+    seen = []
+
+    def step(i: int):
+        if i == 8:
+            seen.append(workload.samplers.status())
+        if i == 4 and not killed:  # step 4 is mid-epoch 1; both samplers are busy prefetching
+            pid = workload.samplers.call_all("info", timeout_s=30)[0]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return original(i)
+
+    workload.step = step
+    summary = driver.run()
+    assert killed and summary["state"] == "finished" and summary["failures_recovered"] == 0, summary
+    assert [e.reason for e in seen[0].evictions] == ["died during 'batch': ActorDiedError"], seen  # lost mid-call, not idle
+    assert seen[0].target == 2 and seen[0].live + seen[0].starting == 2  # a replacement is on its way or serving
+    cov = coverage(tmp_path, "samplerkill")
+    assert len(cov) == 4 and all(c["min_visits"] == c["max_visits"] == 1 for c in cov)
+    final = summary["final_metrics"]
+    assert abs(final["test_acc"] - reference["test_acc"]) <= 0.01, (final, reference)
+
+
+def test_a_killed_trainer_resumes_from_the_last_checkpoint(reference, tmp_path):
+    workload, driver = make(tmp_path, "trainerkill", "driver.checkpoint_every_steps=2")
+    steps: list[int] = []
+    original = workload.step
+    workload.step = lambda i: (steps.append(i), original(i))[1]
+
+    def kill():
+        while len(steps) < 6:
+            time.sleep(0.005)
+        pid = workload.trainer.call_all("info", timeout_s=30)[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    summary = driver.run()
+    t.join(timeout=30)
+    assert summary["state"] == "finished" and summary["failures_recovered"] == 1, summary
+    events = read_jsonl(tmp_path / "trainerkill" / "events.jsonl")
+    failure = next(e for e in events if e["event"] == "failure")
+    ckpts = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
+    i = steps.index(failure["step"])
+    assert steps[i + 1] == ckpts[-1]  # the steps after the reload repeat from the checkpoint
+    cov = coverage(tmp_path, "trainerkill")
+    assert all(c["min_visits"] == c["max_visits"] == 1 for c in cov)  # position restored with the model
+    assert abs(summary["final_metrics"]["test_acc"] - reference["test_acc"]) <= 0.01
+
+
+def test_a_restarted_driver_resumes_at_its_epoch_and_position(reference, tmp_path):
+    workload, first = make(tmp_path, "restart", "driver.max_steps=5", "driver.checkpoint_every_steps=100")
+    s1 = first.run()
+    per_epoch = len(workload.plan)
+    stopped_at = s1["final_metrics"]["batches"]
+    assert s1["state"] == "finished" and per_epoch < stopped_at < 2 * per_epoch  # stopped mid-epoch 1
+    _, second = make(tmp_path, "restart")
+    s2 = second.run()
+    assert s2["resumed_from"] == 5 and s2["state"] == "finished"
+    assert s2["final_metrics"]["batches"] == 4 * per_epoch
+    rows = read_jsonl(tmp_path / "restart" / "metrics.jsonl")
+    assert [r["batches"] for r in rows if r["step"] == 6][-1] == stopped_at + 4  # went on from the position
+    # The very run the reference made: same model, optimizer, random state and position.
+    assert s2["final_metrics"]["test_acc"] == reference["test_acc"] and s2["final_metrics"]["loss"] == reference["loss"]
