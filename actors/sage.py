@@ -116,7 +116,7 @@ class GNNTrainer:
         self.model.train()
         dev = self.device
         x = torch.as_tensor(batch["x"]).to(dev)
-        ei = torch.as_tensor(batch["edge_index"]).to(dev)
+        ei = torch.as_tensor(batch["edge_index"]).to(dev, torch.int64)
         y = torch.as_tensor(batch["y"]).to(dev)
         bs = int(batch["batch_size"])
         out = self.model(x, ei)[:bs]

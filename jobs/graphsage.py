@@ -229,8 +229,9 @@ class GraphSAGEWorkload:
             if tuple(batch["key"]) != (epoch, part, index):
                 raise RuntimeError(f"sampler returned batch {batch['key']} for {(epoch, part, index)}")
             np.add.at(self.coverage, batch["n_id"][: batch["batch_size"]], 1)
-            # Queued behind the trainer's current call; started the moment it returns.
-            train_tickets.append(self.trainer.submit("train", _strip(batch), retry=False))
+            # Into the object store now, while the trainer is busy, so starting the call
+            # (queued behind the trainer's current one) passes a reference, not 10+ MB.
+            train_tickets.append(self.trainer.submit("train", ray.put(_strip(batch)), retry=False))
             self._fill(b + 1)
         tw = time.perf_counter()
         results = {t: self._await(self.trainer, t, other=self.samplers) for t in train_tickets}
@@ -252,6 +253,7 @@ class GraphSAGEWorkload:
         }
         if self.cursor % len(self.plan) == 0:
             metrics.update(self._end_epoch(epoch))
+        metrics["step_s"] = time.perf_counter() - t0
         return metrics
 
     def _end_epoch(self, epoch: int) -> dict[str, Any]:

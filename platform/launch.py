@@ -28,13 +28,24 @@ def load_job_config(spec: JobSpec, *, config_file: str | None = None, overrides:
     return conf
 
 
+def build_workload(spec: JobSpec, conf: Any) -> Any:
+    """The job's workload. Building it reads and checks the job's input (a dataset, a
+    graph, an env id); a bad one is a :class:`ConfigError`, before Ray or any actor starts."""
+    try:
+        return spec.build(conf)
+    except cfg.ConfigError:
+        raise
+    except (ValueError, FileNotFoundError) as exc:
+        raise cfg.ConfigError(f"{spec.name}: {exc}") from exc
+
+
 def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: bool = False) -> dict:
     """Drive one run of ``spec`` with ``conf`` on the given (or an embedded) Ray; returns its summary."""
     from raylane import session
     from raylane.driver import Driver
 
+    workload = build_workload(spec, conf)
     session.connect(address, dashboard=dashboard)
-    workload = spec.build(conf)
     return Driver(workload, conf.driver).run()
 
 
@@ -55,5 +66,9 @@ def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
     import os
 
     address = args.address or ("auto" if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID") else None)
-    summary = run_job(spec, conf, address=address)
+    try:
+        summary = run_job(spec, conf, address=address)
+    except cfg.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"run folder: {summary['run_dir']}")

@@ -1,0 +1,187 @@
+"""GNN sampling and training throughput: raylane's sampler actors against in-process sampling.
+
+    python benchmarks/gnn.py                   # 200,000 nodes, ~4.1M edges, fan-outs [15, 10], batch 1024
+    python benchmarks/gnn.py --nodes 50000     # quicker
+
+One process tree, one local Ray. Prints, for the same generated graph:
+
+1. sampled edges per second of the sampling function called in this process, of one
+   sampler actor, and of two sampler actors (each with two batches in flight), and the
+   ratios to in-process;
+2. the epoch time of GraphSAGE trained by the trainer actor fed by the sampler pool with
+   prefetch (the real ``graphsage`` job through the driver) against the same training loop
+   sampling in-process, batch after batch, with one torch thread each;
+3. PyG's ``NeighborLoader`` on the same graph when it can run here (it needs pyg-lib or
+   torch-sparse), else a line saying it is unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import ray
+import torch
+
+from raylane import config as cfg
+from raylane.actors.gnn_sampler import GNNSampler, GNNSamplerActor, SamplerConfig
+from raylane.actors.graph import sbm_graph, to_shared
+from raylane.actors.sage import GNNTrainer, TrainerConfig
+from raylane.actors.sampling import epoch_plan
+from raylane.driver import Driver
+from raylane.jobs.graphsage import GraphSAGEConfig, GraphSAGEWorkload
+from raylane.runlog import read_jsonl
+
+
+def keys(graph, batch_size: int, n: int) -> list[tuple[int, int, int]]:
+    """The first ``n`` batches of the job's epoch order, as (epoch, part, index)."""
+    plan = epoch_plan([len(s) for s in graph.train_seeds], batch_size)
+    return [(i // len(plan), *plan[i % len(plan)]) for i in range(n)]
+
+
+def edges_per_s_in_process(graph, sc: SamplerConfig, batches: int) -> float:
+    s = GNNSampler(sc, graph)
+    ks = keys(graph, sc.batch_size, batches)
+    t0 = time.perf_counter()
+    edges = sum(int(s.batch(*k)["edge_index"].shape[1]) for k in ks)
+    return edges / (time.perf_counter() - t0)
+
+
+def edges_per_s_actors(graph_ref, graph, sc: SamplerConfig, n_actors: int, batches: int) -> float:
+    actors = [GNNSamplerActor.options(num_cpus=1).remote(sc, graph_ref) for _ in range(n_actors)]
+    ray.get([a.info.remote() for a in actors], timeout=300)  # started, graph mapped
+    ks = keys(graph, sc.batch_size, batches)
+    t0 = time.perf_counter()
+    inflight, edges, nxt = {}, 0, 0
+    for a in actors:
+        for _ in range(2):
+            if nxt < batches:
+                inflight[a.batch.remote(*ks[nxt])] = a
+                nxt += 1
+    done = 0
+    while done < batches:
+        [ref], _ = ray.wait(list(inflight), num_returns=1, timeout=300)
+        a = inflight.pop(ref)
+        edges += int(ray.get(ref, timeout=60)["edge_index"].shape[1])
+        done += 1
+        if nxt < batches:
+            inflight[a.batch.remote(*ks[nxt])] = a
+            nxt += 1
+    rate = edges / (time.perf_counter() - t0)
+    for r in inflight:
+        ray.cancel(r, force=True)
+    for a in actors:
+        ray.kill(a)
+    return rate
+
+
+def epoch_in_process(graph, fanouts, batch_size: int, hidden: int, seed: int, epochs: int) -> tuple[list[float], float]:
+    """The job's training loop with sampling done inline: the peer the pool has to beat.
+    Returns every epoch's time (training + evaluation) and the final test accuracy."""
+    torch.set_num_threads(1)
+    trainer = GNNTrainer(TrainerConfig(in_dim=int(graph.x.shape[1]), num_classes=graph.num_classes, hidden=hidden, layers=len(fanouts), seed=seed), graph)
+    sampler = GNNSampler(SamplerConfig(tuple(fanouts), batch_size, seed), graph)
+    plan = epoch_plan([len(s) for s in graph.train_seeds], batch_size)
+    times = []
+    for epoch in range(epochs):
+        t0 = time.perf_counter()
+        for part, index in plan:
+            trainer.train(sampler.batch(epoch, part, index))
+        ev = trainer.evaluate()
+        times.append(time.perf_counter() - t0)
+    return times, ev["test_acc"]
+
+
+def epoch_with_pool(graph, fanouts, batch_size: int, hidden: int, seed: int, samplers: int, prefetch: int, epochs: int) -> tuple[list[float], float]:
+    runs = tempfile.mkdtemp(prefix="gnn-bench-")
+    conf = cfg.load_config(GraphSAGEConfig, overrides=[
+        f"fanouts={list(fanouts)}", f"batch_size={batch_size}", f"hidden={hidden}", f"epochs={epochs}", f"samplers={samplers}",
+        "sampler_cpus=1", "trainer_cpus=1", f"prefetch={prefetch}", "batches_per_step=16", f"seed={seed}",
+        "driver.progress=false", "driver.tensorboard=false", "driver.checkpoint_every_steps=0", f"driver.runs_dir={runs}", "driver.run_name=bench",
+    ])
+    workload = GraphSAGEWorkload(conf, graph=graph)
+    summary = Driver(workload, conf.driver).run()
+    rows = read_jsonl(os.path.join(runs, "bench", "metrics.jsonl"))
+    times = [0.0] * epochs
+    for r in rows:  # a step never crosses an epoch end; its epoch is the one it ends in or inside
+        times[min(epochs - 1, int(r["epoch"] - 1e-9))] += r["step_s"]
+    return times, summary["final_metrics"]["test_acc"]
+
+
+def pyg_loader(data, fanouts, batch_size: int, batches: int) -> str:
+    try:
+        from torch_geometric.loader import NeighborLoader
+
+        loader = NeighborLoader(data, num_neighbors=list(fanouts), batch_size=batch_size, input_nodes=data.train_mask, shuffle=True)
+        it = iter(loader)
+        next(it)
+        t0 = time.perf_counter()
+        edges = sum(int(next(it).edge_index.shape[1]) for _ in range(batches))
+        return f"{edges / (time.perf_counter() - t0):,.0f} edges/s"
+    except ImportError as exc:
+        return f"unavailable here ({exc})"
+
+
+def sampling_rates(args, data, graph, graph_ref, sc) -> None:
+    inproc = edges_per_s_in_process(graph, sc, args.batches)
+    one = edges_per_s_actors(graph_ref, graph, sc, 1, args.batches)
+    two = edges_per_s_actors(graph_ref, graph, sc, 2, args.batches)
+    print("\nsampled edges per second (sampling + feature gather; actors: 2 batches in flight each)")
+    print(f"  in-process function   {inproc:>12,.0f}")
+    print(f"  1 sampler actor       {one:>12,.0f}   {one / inproc:.2f}x in-process (target >= 0.9)")
+    print(f"  2 sampler actors      {two:>12,.0f}   {two / inproc:.2f}x in-process")
+    print(f"  PyG NeighborLoader    {pyg_loader(data, args.fanouts, args.batch_size, args.batches)}")
+
+
+def epoch_times(args, graph) -> None:
+    t_in, acc_in = epoch_in_process(graph, args.fanouts, args.batch_size, args.hidden, args.seed, args.epochs)
+    t_pool, acc_pool = epoch_with_pool(graph, args.fanouts, args.batch_size, args.hidden, args.seed, args.samplers, args.prefetch, args.epochs)
+    print(f"\nepoch time (GraphSAGE training + full-graph evaluation, one torch thread for training; {args.epochs} epochs, the first is warm-up)")
+    fmt = lambda ts: " ".join(f"{t:6.1f}" for t in ts)  # noqa: E731
+    print(f"  in-process sampling, batch after batch          {fmt(t_in)} s   test acc {acc_in:.3f}")
+    print(f"  trainer actor fed by {args.samplers} samplers, prefetch {args.prefetch}   {fmt(t_pool)} s   test acc {acc_pool:.3f}")
+    steady_in, steady_pool = sum(t_in[1:]) / (len(t_in) - 1), sum(t_pool[1:]) / (len(t_pool) - 1)
+    print(f"  steady-state epoch: pool {steady_pool:.1f} s / in-process {steady_in:.1f} s = {steady_pool / steady_in:.2f} (target <= 1.0)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=200_000)
+    ap.add_argument("--degree", type=float, default=20.6, help="mean degree (both directions stored)")
+    ap.add_argument("--fanouts", type=int, nargs="+", default=[15, 10])
+    ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--batches", type=int, default=30, help="batches per sampling-rate measurement")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--samplers", type=int, default=2)
+    ap.add_argument("--prefetch", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=2, help="epochs per side (>= 2; the first is warm-up)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", choices=["sampling", "epoch"], default=None, help="run one half of the benchmark")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    data = sbm_graph(args.nodes, avg_degree=args.degree, seed=args.seed)
+    t1 = time.perf_counter()
+    graph = to_shared(data, args.samplers, seed=args.seed)
+    t2 = time.perf_counter()
+    print(f"graph: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, {sum(len(s) for s in graph.train_seeds):,} training seeds; "
+          f"generated in {t1 - t0:.1f} s, METIS into {graph.num_parts} parts + CSR in {t2 - t1:.1f} s")
+    sc = SamplerConfig(tuple(args.fanouts), args.batch_size, args.seed)
+    b = GNNSampler(sc, graph).batch(0, 0, 0)
+    print(f"batch: {b['batch_size']} seeds, {len(b['n_id']):,} nodes, {b['edge_index'].shape[1]:,} edges, {b['x'].nbytes / 2**20:.1f} MiB of features")
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        graph_ref = ray.put(graph)
+        if args.only != "epoch":
+            sampling_rates(args, data, graph, graph_ref, sc)
+        if args.only != "sampling":
+            epoch_times(args, graph)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
