@@ -143,6 +143,7 @@ class GraphSAGEWorkload:
         self._graph_ref = None
         self._inflight: dict[int, int] = {}  # global batch number -> sampler ticket
         self._ctx: Context | None = None
+        self._waited = 0.0
 
     # ---------------------------------------------------------------- roles and set-up
 
@@ -254,7 +255,14 @@ class GraphSAGEWorkload:
         if self.cursor % len(self.plan) == 0:
             metrics.update(self._end_epoch(epoch))
         metrics["step_s"] = time.perf_counter() - t0
+        # The trainer's idle share of the step's training part: its prefetch queue ran dry.
+        span = tw + train_wait - t0
+        self._waited = max(0.0, span - sum(s["train_s"] for s in stats)) / max(span, 1e-9)
         return metrics
+
+    def waits(self) -> dict[str, float]:
+        """For the pool autoscaler: the share of the last step the trainer's feed waited for samplers."""
+        return {SAMPLERS: self._waited}
 
     def _end_epoch(self, epoch: int) -> dict[str, Any]:
         assert self._ctx is not None

@@ -133,6 +133,7 @@ class PPOWorkload:
         self._seeds_logged: set[int] = set()
         self._inflight: list[int] | None = None
         self._ctx: Context | None = None
+        self._waited = 0.0
 
     # ---------------------------------------------------------------- roles and set-up
 
@@ -221,16 +222,22 @@ class PPOWorkload:
         stats, weights = self.learner.gather([ticket], timeout_s=300)[ticket]
         self._weights_ref = ray.put(weights)
         t2 = time.perf_counter()
+        self._waited = (t1 - t0) / max(t2 - t0, 1e-9)
         return {
             "env_steps": self.env_steps,
             "env_steps_per_s": new_steps / max(t2 - t0, 1e-9),
             "return_mean": float(np.mean(self.returns)) if self.returns else float("nan"),
             "episodes": self.episodes,
             "workers": len(batches),
+            "lost_batches": len(tickets) - len(batches),
             "sample_s": t1 - t0,
             "learn_s": t2 - t1,
             **{k: v for k, v in stats.items() if k != "applied"},
         }
+
+    def waits(self) -> dict[str, float]:
+        """For the pool autoscaler: the share of the last step the learner waited for samples."""
+        return {WORKERS: self._waited}
 
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         c = self.config

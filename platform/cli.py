@@ -83,8 +83,10 @@ def jobs(job: Optional[str] = typer.Argument(None, help="Show this job's config 
     except registry.UnknownJobError as exc:
         _fail(str(exc))
     table = Table(title=f"{spec.name}: config keys (--set key=value)")
-    for col in ("key", "type", "default", "what it is"):
-        table.add_column(col)
+    table.add_column("key", no_wrap=True)  # keys are what users type: never cut
+    table.add_column("type", max_width=12, overflow="ellipsis", no_wrap=True)
+    table.add_column("default", max_width=12)
+    table.add_column("what it is", ratio=1)
     for key, tname, default, doc in cfg.describe(spec.config_cls):
         table.add_row(key, tname, repr(default), doc)
     console.print(table)
@@ -112,11 +114,18 @@ def run(
         _fail(str(exc))
     try:
         summary = run_job(spec, conf, address=address, dashboard=dashboard)
+    except cfg.ConfigError as exc:  # the job's input (data, graph, env) refused before Ray starts
+        _fail(str(exc))
     except DriverError as exc:
         _fail(str(exc), code=1)
     metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary["final_metrics"].items())
     console.print(f"{spec.name}: {summary['state']} after {summary['steps']} steps in {summary['wall_time_s']:.1f} s; {metrics}")
     console.print(f"run folder: {summary['run_dir']}")
+
+
+from raylane import cli_control  # noqa: E402 - the commands that talk to a running job
+
+cli_control.register(app)
 
 
 def main() -> None:

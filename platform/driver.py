@@ -28,9 +28,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from raylane import config as cfg
 from raylane.checkpoint import CheckpointStore
-from raylane.cluster import ClusterView
+from raylane.cluster import MARKET_LABEL, ClusterView
 from raylane.placement import Plan, RoleSpec, capacity, plan
-from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, PoolView, ScalingPolicy
+from raylane.policies import Autoscaler, CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, PoolAutoscale, PoolView, ScalingPolicy
 from raylane.pool import LOST, ActorPool, PoolError, WorkError
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 from raylane.runlog import Progress, RunLog
@@ -94,6 +94,10 @@ class DriverConfig:
     """Show a live progress bar."""
     tensorboard: bool = True
     """Write TensorBoard scalars under ``<run folder>/tb``."""
+    control: bool = True
+    """Serve ``raylane pools`` and ``raylane scale`` for this run."""
+    pool_autoscale: list[PoolAutoscale] = field(default_factory=list)
+    """Autoscaled pools: a list of {role, min, max, ...}."""
 
 
 @dataclass
@@ -179,6 +183,11 @@ class Driver:
         self._ctx: Context | None = None
         self._monitor: Any = event_source
         self._desired: dict[str, int] = {}
+        self._autoscaler = Autoscaler(config.pool_autoscale)
+        self._busy_seen: dict[str, tuple[float, float]] = {}
+        self._channel: Any = None
+        self._requested: list | None = None
+        self._has_autoscaler: bool | None = None
 
     # ------------------------------------------------------------ state machine
 
@@ -219,6 +228,7 @@ class Driver:
                     progress.update(self.step, metrics)
                     notice = self._handle_events()
                     self._settle_pools()
+                    self._control()
                     self._checkpoint(notice=notice)
                     if self.workload.done(self.step, metrics):
                         self._checkpoint(final=True)
@@ -234,6 +244,8 @@ class Driver:
                 self._to(State.FAILED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         finally:
             progress.close()
+            if self._channel is not None:
+                self._quietly(self._channel.close, self.state.value)
             summary = self._summary(started, error)
             runlog.summary(summary)
             runlog.close()
@@ -258,6 +270,15 @@ class Driver:
         self.workload.setup(self._ctx)
         if self.poll_events and self._monitor is None:
             self._monitor = PreemptionMonitor()
+        if self.config.control:
+            import ray
+
+            if ray.is_initialized():
+                from raylane.control import ControlChannel
+
+                self._channel = ControlChannel(self.run_name, self.workload.name)
+                self._quietly(self._channel.register)
+                self._quietly(self._channel.publish, self.step, self._reports(self.workload.pools()))
         if not self.config.resume and store.steps():
             raise DriverError(
                 f"run {self.run_name!r} already has checkpoints (steps {store.steps()}) in {store.uri}; "
@@ -401,6 +422,151 @@ class Driver:
             self._ctx.log.event("scale", role=role, target=target, desired=self._desired[role], reason="capacity changed")
             pools[role].resize(target)
 
+    # ------------------------------------------------------------ control and autoscaling
+
+    @staticmethod
+    def _quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The control channel is a convenience: its failures never fail the run."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("control channel: %s", exc)
+            return None
+
+    def _control(self) -> None:
+        """Between steps: autoscaling decisions, then requests from ``raylane scale``,
+        then the pools' report for ``raylane pools``."""
+        if self._ctx is None:
+            return
+        pools = self.workload.pools()
+        if self._autoscaler.specs:
+            self._autoscale(pools)
+        if self._channel is not None:
+            for req in self._quietly(self._channel.requests) or []:
+                try:
+                    self._handle_request(req, pools)
+                except PoolError:
+                    raise  # a pool that fails while resizing is the run's business (recovery)
+                except Exception as exc:  # noqa: BLE001 - a bad request must not end the run
+                    log.exception("control request %s failed", req)
+                    self._quietly(self._channel.respond, req, False, f"the driver could not serve the request: {type(exc).__name__}: {exc}")
+            self._quietly(self._channel.publish, self.step, self._reports(pools))
+
+    def _autoscale(self, pools: dict[str, ActorPool]) -> None:
+        assert self._ctx is not None
+        waits = getattr(self.workload, "waits", None)
+        waited = waits() if waits is not None else {}
+        now = time.time()
+        for role, spec in self._autoscaler.specs.items():
+            pool = pools.get(role)
+            if pool is None:
+                continue
+            st = pool.status()
+            busy_prev, alive_prev = self._busy_seen.get(role, (0.0, 0.0))
+            self._busy_seen[role] = (st.busy_s, st.alive_s)
+            d_alive = st.alive_s - alive_prev
+            busy = (st.busy_s - busy_prev) / d_alive if d_alive > 0 and st.busy_s >= busy_prev else st.busy_fraction
+            self._autoscaler.observe(role, float(waited.get(role, 0.0)), busy)
+            current = self._desired.get(role, pool.target)
+            can_grow = capacity(pool.role, self._ctx.cluster) > 0 or bool(self._autoscaler_present())
+            decision = self._autoscaler.decide(role, current, now=now, can_grow=can_grow)
+            if decision is not None:
+                target, reason = decision
+                target = min(max(target, pool.role.lo), pool.role.hi)
+                self._ctx.log.event("autoscale", role=role, target=target, previous=current, reason=reason, step=self.step)
+                self._set_target(pools, role, target, reason=f"autoscale: {reason}")
+
+    def _autoscaler_present(self) -> bool:
+        if self._has_autoscaler is None:
+            from raylane import raystate
+
+            self._has_autoscaler = bool(self._quietly(raystate.autoscaler_present))
+        return self._has_autoscaler
+
+    def _set_target(self, pools: dict[str, ActorPool], role: str, n: int, *, reason: str) -> str | None:
+        """Make ``n`` the pool's desired size; returns what is missing when it does not fit."""
+        assert self._ctx is not None
+        pool = pools[role]
+        self._desired[role] = n
+        self._ctx.cluster = self._cluster_source()
+        fits = capacity(pool.role, self._ctx.cluster)
+        pool.resize(n)
+        self._ctx.log.event("scale", role=role, target=n, desired=n, reason=reason)
+        short = n - pool.size - fits
+        missing = None
+        if short > 0:
+            need = dict(pool.role.resources)
+            if pool.role.accelerator == "require":
+                need["GPU"] = max(need.get("GPU", 0.0), 1.0)
+            free = "; ".join(f"{nd.node_id[:8]} ({nd.market}) " + ", ".join(f"{k}={nd.available.get(k, 0.0):g}" for k in sorted(need))
+                             for nd in self._ctx.cluster.nodes if nd.alive and not nd.draining)
+            missing = (f"no room for {short} more {role!r} actor(s) of {{{_fmt_res(need)}}} each "
+                       f"({_fmt_res({k: v * short for k, v in need.items()})} in all); free now: {free or 'nothing'}")
+        self._request_capacity(pools)
+        return missing
+
+    def _request_capacity(self, pools: dict[str, ActorPool]) -> None:
+        """Ask the Ray autoscaler for the room every pool lacks (one request replaces the last)."""
+        assert self._ctx is not None
+        bundles, selectors = [], []
+        for role, pool in pools.items():
+            short = self._desired.get(role, pool.target) - pool.size - capacity(pool.role, self._ctx.cluster)
+            if short <= 0:
+                continue
+            need = dict(pool.role.resources)
+            if pool.role.accelerator == "require":
+                need["GPU"] = max(need.get("GPU", 0.0), 1.0)
+            market = "on-demand" if pool.role.stateful else "spot"
+            bundles += [need] * short
+            selectors += [{MARKET_LABEL: market}] * short
+        if bundles == (self._requested or []) and self._requested is not None:
+            return
+        from raylane import raystate
+
+        self._quietly(raystate.request_resources, bundles, selectors)
+        self._requested = bundles
+        if bundles:
+            self._ctx.log.event("autoscaler_request", bundles=len(bundles), autoscaler=self._autoscaler_present())
+
+    def _handle_request(self, req: dict, pools: dict[str, ActorPool]) -> None:
+        from raylane.control import ControlError, check_scale
+
+        assert self._channel is not None and self._ctx is not None
+        if req.get("op") != "scale":
+            self._quietly(self._channel.respond, req, False, f"unknown request {req.get('op')!r}; this driver serves: scale")
+            return
+        role, n = req.get("role"), req.get("n")
+        try:
+            if not isinstance(n, int):
+                raise ControlError(f"N must be a whole number of actors, got {n!r}")
+            check_scale({r: {"lo": p.role.lo, "hi": p.role.hi} for r, p in pools.items()}, str(role), n)
+        except ControlError as exc:
+            self._quietly(self._channel.respond, req, False, str(exc))
+            return
+        missing = self._set_target(pools, role, n, reason="raylane scale")
+        if missing is None:
+            self._quietly(self._channel.respond, req, True, f"{role!r}: target {n}, resizing now", step=self.step)
+            return
+        present = self._autoscaler_present()
+        how = ("asked the Ray autoscaler for it; the pool grows as nodes join" if present else
+               "this cluster has no autoscaler, so the pool grows only when such nodes join (add them, or choose a smaller N)")
+        self._quietly(self._channel.respond, req, True, f"{role!r}: target {n}, but {missing}; {how}", step=self.step, missing=True, autoscaler=present)
+
+    def _reports(self, pools: dict[str, ActorPool]) -> list:
+        from raylane.control import PoolReport
+
+        out = []
+        for role, pool in pools.items():
+            st = pool.status()
+            spec = self._autoscaler.specs.get(role)
+            out.append(PoolReport(
+                role=role, target=st.target, desired=self._desired.get(role, st.target), live=st.live, starting=st.starting,
+                lo=pool.role.lo, hi=pool.role.hi, nodes=dict(st.nodes), markets=dict(st.markets), busy_fraction=round(st.busy_fraction, 4),
+                evictions=[{"at": e.at, "actor": e.actor, "node": e.node_id, "reason": e.reason} for e in st.evictions[-5:]],
+                placement_error=st.placement_error, autoscale=None if spec is None else {"min": spec.min, "max": spec.max},
+            ))
+        return out
+
     def _summary(self, started: float, error: BaseException | None) -> dict[str, Any]:
         return {
             "run": self.run_name,
@@ -415,3 +581,7 @@ class Driver:
             "error": None if error is None else f"{type(error).__name__}: {error}",
             "run_dir": str(self.run_dir),
         }
+
+
+def _fmt_res(res: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if v and not k.startswith("node:")) or "nothing"

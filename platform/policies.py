@@ -155,3 +155,83 @@ class ScalingPolicy:
             if target != p.target:
                 out[p.role] = target
         return out
+
+
+@dataclass
+class PoolAutoscale:
+    """Opt-in autoscaling of one elastic pool, between ``min`` and ``max`` actors."""
+
+    role: str
+    """The pool's role name (see ``raylane pools RUN``)."""
+    min: int = 1
+    """Never shrink below this many actors."""
+    max: int = 4
+    """Never grow beyond this many actors."""
+    grow_when_waiting: float = 0.2
+    """Grow when the pool's consumer spent more than this fraction of the recent steps waiting for it."""
+    shrink_when_busy_below: float = 0.5
+    """Shrink when the pool's actors were busy less than this fraction of the recent steps (and nobody waited for them)."""
+    window_steps: int = 3
+    """Steps averaged before a decision."""
+    cooldown_s: float = 20.0
+    """Seconds after a change before the next one (no flapping)."""
+
+    def validate(self) -> None:
+        if self.min < 1:
+            raise ValueError(f"min={self.min}: an autoscaled pool keeps at least one actor")
+        if self.max < self.min:
+            raise ValueError(f"max={self.max} is below min={self.min}")
+        if self.window_steps < 1:
+            raise ValueError(f"window_steps={self.window_steps}: must be >= 1")
+        for name in ("grow_when_waiting", "shrink_when_busy_below"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}: a fraction in 0..1")
+        if self.cooldown_s < 0:
+            raise ValueError(f"cooldown_s={self.cooldown_s}: must be >= 0")
+
+
+class Autoscaler:
+    """Grow a starved pool, shrink an idle one, one actor at a time, with a cooldown.
+
+    Fed once per step with, per role, the fraction of the step its consumer waited for
+    the pool (``waited``: the learner waiting for samples, the trainer's prefetch queue
+    running dry) and the fraction of the step its actors were busy (``busy``).
+    """
+
+    def __init__(self, specs: Sequence[PoolAutoscale]):
+        self.specs = {s.role: s for s in specs}
+        self._seen: dict[str, list[tuple[float, float]]] = {r: [] for r in self.specs}
+        self._changed: dict[str, float] = {}
+
+    def observe(self, role: str, waited: float, busy: float) -> None:
+        spec = self.specs.get(role)
+        if spec is None:
+            return
+        seen = self._seen[role]
+        seen.append((min(1.0, max(0.0, waited)), min(1.0, max(0.0, busy))))
+        del seen[: -spec.window_steps]
+
+    def decide(self, role: str, target: int, *, now: float, can_grow: bool = True) -> tuple[int, str] | None:
+        """A new target and its reason, or None to leave the pool as it is."""
+        spec = self.specs.get(role)
+        if spec is None:
+            return None
+        if target < spec.min or target > spec.max:
+            return self._change(role, min(spec.max, max(spec.min, target)), f"target {target} outside autoscale range {spec.min}..{spec.max}", now)
+        if now - self._changed.get(role, -math.inf) < spec.cooldown_s:
+            return None
+        seen = self._seen[role]
+        if len(seen) < spec.window_steps:
+            return None
+        waited = sum(w for w, _ in seen) / len(seen)
+        busy = sum(b for _, b in seen) / len(seen)
+        if waited > spec.grow_when_waiting and target < spec.max and can_grow:
+            return self._change(role, target + 1, f"consumer waited {waited:.0%} of the last {len(seen)} steps (> {spec.grow_when_waiting:.0%})", now)
+        if waited <= spec.grow_when_waiting / 2 and busy < spec.shrink_when_busy_below and target > spec.min:
+            return self._change(role, target - 1, f"actors busy {busy:.0%} of the last {len(seen)} steps (< {spec.shrink_when_busy_below:.0%}) and nobody waited", now)
+        return None
+
+    def _change(self, role: str, target: int, reason: str, now: float) -> tuple[int, str]:
+        self._changed[role] = now
+        self._seen[role] = []  # the new size needs its own observations
+        return target, reason

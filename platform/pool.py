@@ -95,6 +95,10 @@ class PoolStatus:
     busy_fraction: float
     evictions: tuple[Eviction, ...]
     placement_error: str | None
+    busy_s: float = 0.0
+    """Seconds the live actors have spent in calls, summed (for utilisation over a window)."""
+    alive_s: float = 0.0
+    """Seconds the live actors have existed, summed."""
 
 
 @dataclass
@@ -448,6 +452,8 @@ class ActorPool:
                 busy_fraction=(busy / wall) if wall > 0 else 0.0,
                 evictions=tuple(self._evictions),
                 placement_error=self._placement_error,
+                busy_s=busy,
+                alive_s=wall,
             )
 
     def shutdown(self) -> None:

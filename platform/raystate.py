@@ -95,6 +95,31 @@ def kv_del(key: str) -> None:
     internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
 
 
+def kv_keys(prefix: str) -> list[str]:
+    """Keys in raylane's namespace that start with ``prefix``."""
+    from ray.experimental import internal_kv
+
+    return sorted(k.decode() if isinstance(k, bytes) else k for k in internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE))
+
+
+def autoscaler_present() -> bool:
+    """Whether an autoscaler reports to this cluster (the v2 autoscaler's state version;
+    a hand-started ``ray start`` cluster or a local Ray has none)."""
+    from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+    try:
+        return get_cluster_resource_state(_gcs_client()).last_seen_autoscaler_state_version > 0
+    except Exception:  # an older GCS without the v2 state: assume none, the request is still made
+        return False
+
+
+def request_resources(bundles: list[dict[str, float]], selectors: list[dict[str, str]]) -> None:
+    """Ask the autoscaler for room for ``bundles`` (replaces the previous request)."""
+    from ray.autoscaler.sdk import request_resources as _request
+
+    _request(bundles=bundles, bundle_label_selectors=selectors)
+
+
 def drain_node(node_id: str, deadline_s: float | None, reason: str = "preemption", message: str = "") -> None:
     """Ask Ray to drain ``node_id``: no new work is scheduled there.
 

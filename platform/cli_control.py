@@ -1,0 +1,110 @@
+"""``raylane pools RUN`` and ``raylane scale RUN ROLE N``: talking to a running job's driver
+through its control channel (:mod:`raylane.control`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err = Console(stderr=True)
+
+ADDRESS = "Ray address of the cluster the job runs on (default: auto, the cluster on this machine)."
+
+
+def _connect(address: Optional[str], run: str) -> None:
+    import logging
+
+    # A client sends Ray's token only when told the cluster wants one, and Ray reads that
+    # when it is imported; raylane keeps token authentication on, so say so (before
+    # `import ray`) whenever a token is at hand.
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                                              or (Path.home() / ".ray" / "auth_token").exists()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+    import ray
+
+    from raylane.control import local_address
+
+    address = address or local_address(run)
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address or "auto", logging_level=logging.WARNING, log_to_driver=False)
+        except ConnectionError as exc:
+            err.print(f"error: cannot reach a Ray cluster at {address or 'auto'}: {exc}. Pass --address with the cluster's address "
+                      "(`ray status` shows it); with token authentication, the token comes from RAY_AUTH_TOKEN or ~/.ray/auth_token.")
+            raise typer.Exit(2) from None
+
+
+def _age(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago"
+
+
+def pools(
+    run: str = typer.Argument(..., help="The run name (shown by `raylane run` and in runs/)."),
+    address: Optional[str] = typer.Option(None, help=ADDRESS),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Show every pool of a running job: target and live size, nodes, markets, utilisation, evictions."""
+    _connect(address, run)  # first: it sets up the token before Ray is imported
+    from raylane.control import ControlClient, ControlError
+
+    try:
+        report = ControlClient().pools(run)
+    except ControlError as exc:
+        err.print(f"error: {exc}")
+        raise typer.Exit(2) from None
+    if as_json:
+        console.print_json(json.dumps(report))
+        return
+    table = Table(title=f"{run}: pools at step {report['step']} ({_age(report['time'])})")
+    for col in ("role", "target", "live", "busy"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("nodes (actors)", overflow="fold")
+    table.add_column("evictions", overflow="fold")
+    for role, p in report["pools"].items():
+        target = f"{p['target']} of {p['lo']}..{p['hi']}" + (" auto" if p.get("autoscale") else "")
+        if p["desired"] != p["target"]:
+            target += f", wants {p['desired']}"
+        live = f"{p['live']}" + (f" +{p['starting']}" if p["starting"] else "")
+        nodes = ", ".join(f"{n[:8]} ({c})" for n, c in sorted(p["nodes"].items()))
+        markets = ", ".join(f"{c} {m}" for m, c in sorted(p["markets"].items()))
+        ev = p["evictions"]
+        evictions = f"{len(ev)}; last {_age(ev[-1]['at'])}: {ev[-1]['reason']}" if ev else "none"
+        table.add_row(role, target, live, f"{p['busy_fraction']:.0%}", f"{nodes}; {markets}" if nodes else "-", evictions)
+        if p.get("placement_error"):
+            table.add_row("", "", "", "", f"[yellow]{p['placement_error']}[/yellow]", "")
+    console.print(table)
+
+
+def scale(
+    run: str = typer.Argument(..., help="The run name."),
+    role: str = typer.Argument(..., help="The pool's role (see `raylane pools RUN`)."),
+    n: int = typer.Argument(..., help="The new number of actors."),
+    address: Optional[str] = typer.Option(None, help=ADDRESS),
+    timeout: float = typer.Option(300.0, help="Seconds to wait for the pool to reach N live actors."),
+) -> None:
+    """Set a pool's size; returns once N actors are live, or says why they cannot be."""
+    _connect(address, run)  # first: it sets up the token before Ray is imported
+    from raylane.control import ControlClient, ControlError
+
+    client = ControlClient()
+    try:
+        pool = client.scale(run, role, n, timeout_s=timeout, on_update=lambda msg: console.print(msg))
+    except ControlError as exc:
+        err.print(f"error: {exc}")
+        raise typer.Exit(3 if "no room" in str(exc) or "did not reach" in str(exc) else 2) from None
+    markets = ", ".join(f"{m} {c}" for m, c in sorted(pool["markets"].items()))
+    console.print(f"{role}: {pool['live']} live ({markets})")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(pools)
+    app.command()(scale)
