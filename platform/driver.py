@@ -441,6 +441,8 @@ class Driver:
         pools = self.workload.pools()
         if self._autoscaler.specs:
             self._autoscale(pools)
+        if self._requested or any(self._desired.get(r, p.target) > p.size for r, p in pools.items()):
+            self._request_capacity(pools)  # keep the standing request to the autoscaler current
         if self._channel is not None:
             for req in self._quietly(self._channel.requests) or []:
                 try:

@@ -103,14 +103,32 @@ def kv_keys(prefix: str) -> list[str]:
 
 
 def autoscaler_present() -> bool:
-    """Whether an autoscaler reports to this cluster (the v2 autoscaler's state version;
-    a hand-started ``ray start`` cluster or a local Ray has none)."""
+    """Whether an autoscaler reports to this cluster (the v2 autoscaler's state version).
+    A local Ray or a hand-started ``ray start`` cluster has none. The v1 autoscaler
+    leaves no record that tells "may launch nodes" from "only watches", so it counts as
+    absent: raylane still sends it the request, and only the message is more cautious."""
     from ray.autoscaler.v2.sdk import get_cluster_resource_state
 
     try:
         return get_cluster_resource_state(_gcs_client()).last_seen_autoscaler_state_version > 0
-    except Exception:  # an older GCS without the v2 state: assume none, the request is still made
+    except Exception:  # an older GCS without the v2 state
         return False
+
+
+def requested_resources() -> list[dict[str, float]]:
+    """The standing request to the autoscaler (what :func:`request_resources` last asked)."""
+    from ray.autoscaler.v2.sdk import get_cluster_resource_state
+    from ray.experimental import internal_kv
+
+    try:
+        constraints = get_cluster_resource_state(_gcs_client()).cluster_resource_constraints
+        bundles = [dict(b.resources_bundle) for c in constraints for r in c.resource_requests for b in [r.request] * r.count]
+        if bundles:
+            return bundles
+    except Exception:  # older GCS; fall back to the v1 record
+        pass
+    raw = internal_kv._internal_kv_get("autoscaler_resource_request")
+    return json.loads(raw) if raw else []
 
 
 def request_resources(bundles: list[dict[str, float]], selectors: list[dict[str, str]]) -> None:

@@ -8,9 +8,11 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 
+from raylane import raystate
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.ppo import PPOConfig, PPOWorkload
 from raylane.runlog import read_jsonl
@@ -51,9 +53,12 @@ def test_ppo_pool_scaled_from_the_command_line_while_it_trains(spot_cluster, tmp
             seen["too_big"] = cli(addr, "scale", RUN, "rollout_worker", "17")
             seen["fixed"] = cli(addr, "scale", RUN, "learner", "2")
             seen["impossible"] = cli(addr, "scale", RUN, "rollout_worker", "16")
+            seen["requested"] = raystate.requested_resources()
             seen["down"] = cli(addr, "scale", RUN, "rollout_worker", "1")
             seen["pools1"] = cli(addr, "pools", RUN, "--json")
             seen["steps_at_end"] = len(steps)
+        except BaseException:  # noqa: BLE001 - reported by the assertion below
+            seen["error"] = traceback.format_exc()
         finally:
             finished.set()
 
@@ -61,6 +66,7 @@ def test_ppo_pool_scaled_from_the_command_line_while_it_trains(spot_cluster, tmp
     t.start()
     summary = Driver(workload, conf.driver).run()
     t.join(timeout=60)
+    assert "error" not in seen, seen["error"]
     for key in ("pools0", "up", "pools4", "table", "down", "pools1"):
         assert seen[key].returncode == 0, (key, seen[key].stdout, seen[key].stderr)
 
@@ -81,6 +87,8 @@ def test_ppo_pool_scaled_from_the_command_line_while_it_trains(spot_cluster, tmp
     impossible = " ".join(seen["impossible"].stderr.split())
     assert seen["impossible"].returncode == 3, seen["impossible"]
     assert "no room for" in impossible and "{CPU=1} each" in impossible and "no autoscaler" in impossible, impossible
+    # ... and still asked Ray's autoscaler for the missing room (a no-op without one)
+    assert seen["requested"] and all(b == {"CPU": 1.0} for b in seen["requested"]) and len(seen["requested"]) >= 10, seen["requested"]
 
     assert summary["state"] == "finished", summary
     rows = read_jsonl(tmp_path / RUN / "metrics.jsonl")
