@@ -224,7 +224,7 @@ class Driver:
                     self._check_finite(metrics)
                     self.step += 1
                     self.last_metrics = metrics
-                    runlog.metrics(self.step, metrics)
+                    runlog.metrics(self.step, {**metrics, **self._pool_sizes()})
                     progress.update(self.step, metrics)
                     notice = self._handle_events()
                     self._settle_pools()
@@ -453,6 +453,16 @@ class Driver:
                     log.exception("control request %s failed", req)
                     self._quietly(self._channel.respond, req, False, f"the driver could not serve the request: {type(exc).__name__}: {exc}")
             self._quietly(self._channel.publish, self.step, self._reports(pools))
+
+    def _pool_sizes(self) -> dict[str, int]:
+        """Elastic pools' target and live size, logged with every step's metrics (so scaling
+        decisions show in metrics.jsonl and TensorBoard next to what they did)."""
+        out = {}
+        for role, pool in self.workload.pools().items():
+            if pool.role.lo != pool.role.hi:
+                out[f"pool/{role}/target"] = pool.target
+                out[f"pool/{role}/live"] = pool.size
+        return out
 
     def _autoscale(self, pools: dict[str, ActorPool]) -> None:
         assert self._ctx is not None
