@@ -105,6 +105,25 @@ def scale(
     console.print(f"{role}: {pool['live']} live ({markets})")
 
 
+def notices(
+    provider: str = typer.Option(..., help="Cloud whose preemption notice to watch: aws, gcp or azure."),
+    interval: float = typer.Option(5.0, help="Seconds between polls of the metadata service."),
+    address: Optional[str] = typer.Option(None, help="Ray address of this node's cluster (default: auto)."),
+) -> None:
+    """Run on a spot node: turn the cloud's preemption notice into a drain of this Ray node."""
+    from raylane.notices import POLLERS, NoticeWatcher, make_poller
+
+    if provider not in POLLERS:
+        err.print(f"error: unknown provider {provider!r}; choose one of {', '.join(POLLERS)}")
+        raise typer.Exit(2)
+    _connect(address, run="")
+    watcher = NoticeWatcher(make_poller(provider), interval_s=interval)
+    console.print(f"watching {provider} preemption notices every {interval:g} s")
+    notice = watcher.run()
+    console.print(f"{notice.provider} {notice.action} notice: drained this node, {max(0.0, notice.deadline - time.time()):.0f} s before the deadline")
+
+
 def register(app: typer.Typer) -> None:
     app.command()(pools)
     app.command()(scale)
+    app.command()(notices)
