@@ -37,7 +37,8 @@ def sample_subgraph(
 ) -> dict[str, np.ndarray]:
     """Sample the ``len(fanouts)``-hop neighbourhood of ``seeds``.
 
-    Returns ``n_id`` (global ids of the sampled nodes, seeds first, no duplicates),
+    Returns ``n_id`` (global ids of the sampled nodes, seeds first, no duplicates; int32
+    below 2^31 nodes),
     ``edge_index`` ([2, E] int32 local ids: row 0 the neighbour, row 1 the node that
     aggregates it, PyG's source-to-target order), ``num_sampled_nodes`` (nodes added per
     hop, seeds first) and ``num_sampled_edges`` (edges per hop). ``scratch`` is an int64
@@ -91,8 +92,11 @@ def sample_subgraph(
     finally:
         for p in parts:
             local[p] = -1
-    # Local ids fit in int32 (a batch never holds 2^31 nodes): half the bytes to ship.
+    # Local ids fit in int32 (a batch never holds 2^31 nodes), and so do global ids of a
+    # graph under 2^31 nodes: half the bytes to ship.
     edge_index = np.stack([np.concatenate(srcs), np.concatenate(dsts)]).astype(np.int32) if srcs else np.zeros((2, 0), dtype=np.int32)
+    if num_nodes < 2**31:
+        n_id = n_id.astype(np.int32)
     return {
         "n_id": n_id,
         "edge_index": edge_index,
