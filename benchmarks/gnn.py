@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--degree", type=float, default=20.6, help="mean degree (both directions stored)")
     ap.add_argument("--fanouts", type=int, nargs="+", default=[15, 10])
     ap.add_argument("--batch-size", type=int, default=1024)
-    ap.add_argument("--batches", type=int, default=30, help="batches per sampling-rate measurement")
+    ap.add_argument("--batches", type=int, default=60, help="batches per sampling-rate measurement")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--samplers", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=4)
