@@ -1,0 +1,410 @@
+"""Pipeline stages: each actor holds contiguous slices of a model's layers and trains them.
+
+Where it lives: any node with the CPUs (and, when present, the GPU) the role asks for;
+a stateful role (its layers are trained state), so on-demand nodes first. What is
+copied into it: its slice of the job's config (:class:`StageConfig`), then through
+:meth:`StageCore.load` the layer indices of each chunk it holds (one chunk per virtual
+stage; ``v`` chunks for the looped schedules) and, on a restore, those layers' state
+from the checkpoint. A stage keeps, for every micro-batch forwarded and not yet
+backwarded, the input and output of that chunk (only the input with recomputation on).
+
+Two ways to drive the stages through a schedule (:mod:`raylane.schedules`):
+
+* ``driver``: :class:`PipelineStage` has one method per operation (``forward``,
+  ``backward``, ``step``); the driver submits every operation of every stage in the
+  schedule's :func:`~raylane.schedules.submission_order`, passing each activation and
+  gradient as a Ray object reference, and Ray resolves them. A Ray actor runs one
+  caller's calls in submission order, which is what keeps each stage in its schedule.
+  Simple, but the driver makes ``2 m v`` calls per stage per batch.
+* ``linked``: :class:`LinkedStage` gets its whole list in one :meth:`LinkedStage.run`
+  call and sends each output straight to the stage that needs it
+  (:meth:`LinkedStage.deliver`, a separate concurrency group, so it is taken while
+  ``run`` waits for an input). One driver call per stage per batch.
+
+What a failure means: a stage that dies takes its layers' trained state since the last
+checkpoint with it; the others' in-flight work for the batch is dropped (``abort``)
+and the job reloads every layer from the checkpoint, re-split over the live stages.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from raylane.actors import gpt
+from raylane.schedules import Op, Schedule, submission_order
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One stage's slice of the job's config."""
+
+    model: gpt.GPTConfig
+    """The whole model's shape (a stage builds only its layers, each from its own seed)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    recompute: bool = False
+    """Keep only each chunk's input between forward and backward; run the forward again in the backward."""
+    threads: int = 1
+    """torch intra-op threads (the CPUs the actor reserves)."""
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class StageCore:
+    """The part of a stage that needs no Ray: layers, optimizers, stashed activations."""
+
+    def __init__(self, config: StageConfig):
+        torch.set_num_threads(max(1, config.threads))
+        self.config = config
+        self.device = device()
+        self.chunks: dict[int, torch.nn.Sequential] = {}  # virtual stage -> its layers
+        self.layer_ids: dict[int, list[int]] = {}  # virtual stage -> model layer indices
+        self.opts: dict[int, torch.optim.Optimizer] = {}  # model layer index -> its optimizer
+        self.modules: dict[int, torch.nn.Module] = {}  # model layer index -> layer
+        self.last = -1  # the model's last virtual stage (computes the loss)
+        self.stash: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # (vstage, mb) -> (input, output or None)
+        self.peak = 0
+
+    # ------------------------------------------------------------ layers and state
+
+    def load(self, pieces: dict[int, Sequence[int]], last: int, states: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Hold the layers ``pieces[vstage]`` (model layer indices); ``last`` is the model's
+        last virtual stage; ``states`` maps a layer index (as text) to its saved state."""
+        c = self.config
+        self.chunks, self.layer_ids, self.opts, self.modules, self.stash = {}, {}, {}, {}, {}
+        self.last = int(last)
+        for j, ids in sorted(pieces.items()):
+            layers = []
+            for i in ids:
+                layer = gpt.build_layer(c.model, i).to(self.device)
+                opt = gpt.make_optimizer(layer, c.lr, c.weight_decay)
+                if states is not None:
+                    gpt.load_layer_state(layer, opt, states[str(i)])
+                self.modules[i], self.opts[i] = layer, opt
+                layers.append(layer)
+            self.chunks[int(j)] = torch.nn.Sequential(*layers)
+            self.layer_ids[int(j)] = list(ids)
+        return self.where()
+
+    def where(self) -> dict[str, Any]:
+        return {"node": _node_id(), "pid": os.getpid(), "pieces": {str(j): ids for j, ids in self.layer_ids.items()}, "device": str(self.device)}
+
+    def state(self) -> dict[str, Any]:
+        """Every held layer's parameters and optimizer state, by layer index (as text)."""
+        return {str(i): gpt.layer_state(m, self.opts[i]) for i, m in self.modules.items()}
+
+    def grads(self) -> dict[str, list[torch.Tensor]]:
+        """Every held layer's accumulated gradients (CPU), by layer index (as text)."""
+        return {str(i): [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu() for p in m.parameters()] for i, m in self.modules.items()}
+
+    # ------------------------------------------------------------ operations
+
+    def forward(self, vstage: int, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        """Run chunk ``vstage`` on micro-batch ``mb``; keep what its backward needs. Returns
+        the output (detached), or on the model's last virtual stage the loss."""
+        with warnings.catch_warnings():  # read-only arrays from the object store; never written to
+            warnings.simplefilter("ignore", UserWarning)
+            x = torch.as_tensor(x).to(self.device)
+        inp = x if not x.is_floating_point() else x.detach().requires_grad_(True)
+        chunk = self.chunks[vstage]
+        if self.config.recompute and vstage != self.last:
+            with torch.no_grad():
+                out = chunk(inp)
+            self.stash[(vstage, mb)] = (inp, None)
+        else:
+            out = chunk(inp)
+            self.stash[(vstage, mb)] = (inp, out)
+        self.peak = max(self.peak, len(self.stash))
+        if vstage == self.last:
+            if targets is None:
+                raise ValueError(f"the last virtual stage {vstage} needs the targets of micro-batch {mb}")
+            loss = gpt.loss_fn(out, torch.as_tensor(targets).to(self.device))
+            self.stash[(vstage, mb)] = (inp, loss * scale)
+            return loss.detach().cpu()
+        return out.detach()
+
+    def backward(self, vstage: int, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Backward of micro-batch ``mb`` through chunk ``vstage``: accumulates the layers'
+        gradients and returns the gradient of its input (None on the first chunk)."""
+        inp, out = self.stash.pop((vstage, mb))
+        if out is None:  # recomputation: the forward again, this time with its graph
+            out = self.chunks[vstage](inp)
+        if vstage == self.last:
+            out.backward()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                grad = torch.as_tensor(grad).to(self.device)
+            out.backward(grad)
+        return inp.grad if inp.is_floating_point() else None
+
+    def step(self, peer_grads: Sequence[dict[str, list[torch.Tensor]]] = ()) -> dict[str, Any]:
+        """Average the gradients with the same layers' gradients of the other replicas
+        (if any), take one optimizer step per layer, and clear the gradients."""
+        if self.stash:
+            raise RuntimeError(f"step with {len(self.stash)} micro-batch(es) not backwarded: {sorted(self.stash)[:4]}")
+        n = 1 + len(peer_grads)
+        if peer_grads:
+            for i, m in self.modules.items():
+                for k, p in enumerate(m.parameters()):
+                    total = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                    for g in peer_grads:
+                        total += g[str(i)][k].to(self.device)
+                    p.grad = total / n
+        for opt in self.opts.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        peak, self.peak = self.peak, 0
+        return {"peak_activations": peak, "replicas": n}
+
+    def run_local(self, sched: Schedule, stage: int, inbox: dict, send, tokens: Any, targets: Any, scale: float, take) -> list[float]:
+        """Run this stage's operations of ``sched`` (the step excluded). ``take(key)`` waits
+        for an input, ``send(key, tensor, to_stage)`` passes an output on."""
+        losses = []
+        for op in sched.ops[stage]:
+            if op.kind == "S":
+                continue
+            j = sched.vstage(stage, op.chunk)
+            if op.kind == "F":
+                x = tokens[op.mb] if j == 0 else take(("F", op.mb, j))
+                if j == self.last:
+                    losses.append((op.mb, float(self.forward(j, op.mb, x, targets[op.mb], scale))))
+                else:
+                    send(("F", op.mb, j + 1), self.forward(j, op.mb, x), sched.where(j + 1)[0])
+            else:
+                g = None if j == self.last else take(("B", op.mb, j))
+                gi = self.backward(j, op.mb, g)
+                if j > 0:
+                    send(("B", op.mb, j - 1), gi.detach(), sched.where(j - 1)[0])
+        return [loss for _, loss in sorted(losses)]
+
+
+def _node_id() -> str:
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return "local"
+
+
+# ---------------------------------------------------------------- actors
+
+
+class _StageBase:
+    def __init__(self, config: StageConfig):
+        self.core = StageCore(config)
+
+    def load(self, pieces: dict[int, Sequence[int]], last: int, states: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.core.load(pieces, last, states)
+
+    def where(self) -> dict[str, Any]:
+        return self.core.where()
+
+    def state(self) -> dict[str, Any]:
+        return self.core.state()
+
+    def grads(self) -> dict[str, list[torch.Tensor]]:
+        return self.core.grads()
+
+    def step(self, *peer_grads: dict[str, list[torch.Tensor]]) -> dict[str, Any]:
+        return self.core.step(peer_grads)
+
+
+@ray.remote
+class PipelineStage(_StageBase):
+    """A stage driven one operation per call (the ``driver`` dispatch)."""
+
+    def forward(self, vstage: int, mb: int, x: Any, targets: Any = None, scale: float = 1.0) -> torch.Tensor:
+        return self.core.forward(vstage, mb, x, targets, scale)
+
+    def backward(self, vstage: int, mb: int, grad: Any = None) -> torch.Tensor | None:
+        return self.core.backward(vstage, mb, grad)
+
+
+class Aborted(RuntimeError):
+    """A linked stage gave up its batch: another stage of the pipeline failed."""
+
+
+@ray.remote(concurrency_groups={"inbox": 1})
+class LinkedStage(_StageBase):
+    """A stage that runs its whole list per call and sends outputs to its neighbours (the
+    ``linked`` dispatch). ``deliver`` and ``abort`` run in their own thread, so they are
+    taken while ``run`` waits; everything else runs in order in the default thread."""
+
+    def __init__(self, config: StageConfig):
+        super().__init__(config)
+        self.peers: list[Any] = []
+        self.index = 0
+        self.inbox: dict[tuple, Any] = {}
+        self.cv = threading.Condition()
+        self.aborted = False
+
+    def connect(self, index: int, peers: list[Any]) -> int:
+        """This stage's index in its pipeline and the handles of all the pipeline's stages."""
+        self.index, self.peers = index, list(peers)
+        return index
+
+    @ray.method(concurrency_group="inbox")
+    def deliver(self, key: tuple, tensor: Any) -> None:
+        with self.cv:
+            self.inbox[tuple(key)] = tensor
+            self.cv.notify_all()
+
+    @ray.method(concurrency_group="inbox")
+    def abort(self) -> None:
+        with self.cv:
+            self.aborted = True
+            self.cv.notify_all()
+
+    def run(self, sched: Schedule, tokens: Any, targets: Any, scale: float, timeout_s: float) -> list[float]:
+        """This stage's operations of ``sched`` (micro-batch inputs ``tokens[mb]`` for the
+        first chunk, ``targets[mb]`` for the last); returns the losses of the micro-batches
+        whose last chunk is here. Raises after ``timeout_s`` without an awaited input."""
+        with self.cv:
+            self.aborted = False
+        me = self.index
+
+        def take(key: tuple) -> Any:
+            deadline = time.monotonic() + timeout_s
+            with self.cv:
+                while key not in self.inbox:
+                    if self.aborted:
+                        raise Aborted(f"stage {me}: batch aborted while waiting for {key}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"stage {me}: no {key} after {timeout_s:g} s (a neighbour lost?)")
+                    self.cv.wait(min(left, 1.0))
+                return self.inbox.pop(key)
+
+        def send(key: tuple, tensor: torch.Tensor, to: int) -> None:
+            if to == me:
+                with self.cv:
+                    self.inbox[key] = tensor
+            else:
+                # numpy crosses the object store without a copy into a pickle; CPU tensors only
+                self.peers[to].deliver.remote(key, tensor.cpu().numpy() if tensor.device.type == "cpu" else tensor)
+
+        try:
+            return self.core.run_local(sched, me, self.inbox, send, tokens, targets, scale, take)
+        except BaseException:
+            self.core.stash.clear()
+            with self.cv:
+                self.inbox.clear()
+            raise
+
+
+# ---------------------------------------------------------------- the driver side
+
+
+def submit_ops(stages: Sequence[Any], sched: Schedule, tokens: Sequence[Any], targets: Sequence[Any], scale: float) -> list[Any]:
+    """``driver`` dispatch of one batch through one pipeline: every F and B of every stage,
+    in :func:`submission_order`; activations and gradients are object references. Returns
+    the references of the micro-batch losses, in micro-batch order (the steps are left to
+    the caller)."""
+    outs: dict[tuple, Any] = {}
+    losses: dict[int, Any] = {}
+    last = sched.virtual_stages - 1
+    for s, op in submission_order(sched):
+        if op.kind == "S":
+            continue
+        j = sched.vstage(s, op.chunk)
+        if op.kind == "F":
+            x = tokens[op.mb] if j == 0 else outs.pop(("F", op.mb, j - 1))
+            if j == last:
+                losses[op.mb] = stages[s].forward.remote(j, op.mb, x, targets[op.mb], scale)
+            else:
+                outs[("F", op.mb, j)] = stages[s].forward.remote(j, op.mb, x)
+        else:
+            g = None if j == last else outs.pop(("B", op.mb, j + 1))
+            outs[("B", op.mb, j)] = stages[s].backward.remote(j, op.mb, g)
+    return [losses[i] for i in range(sched.m)]
+
+
+def submit_linked(stages: Sequence[Any], sched: Schedule, tokens: Any, targets: Any, scale: float, timeout_s: float) -> list[Any]:
+    """``linked`` dispatch of one batch through one pipeline: one ``run`` per stage.
+    Returns each stage's reference (a list of losses on the stage with the last chunk)."""
+    first, last = sched.where(0)[0], sched.where(sched.virtual_stages - 1)[0]
+    return [h.run.remote(sched, tokens if s == first else None, targets if s == last else None, scale, timeout_s) for s, h in enumerate(stages)]
+
+
+def pieces_for(sched: Schedule, ranges: Sequence[range]) -> list[dict[int, list[int]]]:
+    """Per stage: ``{virtual stage: layer indices}`` from the ranges of the virtual stages."""
+    if len(ranges) != sched.virtual_stages:
+        raise ValueError(f"{len(ranges)} layer ranges for {sched.virtual_stages} virtual stages")
+    out: list[dict[int, list[int]]] = [{} for _ in range(sched.p)]
+    for j, r in enumerate(ranges):
+        s, _ = sched.where(j)
+        out[s][j] = list(r)
+    return out
+
+
+def train_batch(pipelines: Sequence[Sequence[Any]], sched: Schedule, batches: Sequence[tuple[Any, Any]], *, dispatch: str, timeout_s: float, step: bool = True) -> dict[str, Any]:
+    """One batch through every pipeline replica, then (``step``) the gradients of each
+    stage averaged over the replicas and one optimizer step on every stage.
+
+    ``batches[r]`` is replica ``r``'s ``(tokens, targets)``, each shaped ``[m, b, T]``.
+    Each micro-batch's loss is scaled by ``1/m`` before its backward, so a replica's
+    gradient is that of its mean loss, and the replicas' average that of the whole batch.
+    Returns ``{"losses": [m floats per replica], "steps": [per stage]}``; the first error
+    of any call is raised as Ray raised it (the other linked stages are aborted first).
+    """
+    if dispatch not in ("driver", "linked"):
+        raise ValueError(f"dispatch must be 'driver' or 'linked', got {dispatch!r}")
+    scale = 1.0 / sched.m
+    loss_refs, run_refs = [], []
+    for stages, (tokens, targets) in zip(pipelines, batches):
+        if dispatch == "driver":
+            loss_refs.append(submit_ops(stages, sched, [ray.put(t) for t in tokens], [ray.put(t) for t in targets], scale))
+        else:
+            run_refs.append(submit_linked(stages, sched, tokens, targets, scale, timeout_s))
+    step_refs: list[Any] = []
+    if step:
+        if len(pipelines) == 1:
+            step_refs = [h.step.remote() for h in pipelines[0]]
+        else:
+            grads = [[h.grads.remote() for h in stages] for stages in pipelines]
+            step_refs = [h.step.remote(*[grads[q][s] for q in range(len(pipelines)) if q != r]) for r, stages in enumerate(pipelines) for s, h in enumerate(stages)]
+    try:
+        if dispatch == "driver":
+            flat = wait_all([ref for refs in loss_refs for ref in refs] + step_refs, timeout_s)
+            losses = [[float(x) for x in flat[r * sched.m:(r + 1) * sched.m]] for r in range(len(pipelines))]
+            steps = flat[len(pipelines) * sched.m:]
+        else:
+            flat = wait_all([ref for refs in run_refs for ref in refs] + step_refs, timeout_s)
+            p = sched.p
+            last = sched.where(sched.virtual_stages - 1)[0]
+            losses = [list(flat[r * p + last]) for r in range(len(pipelines))]
+            steps = flat[len(pipelines) * p:]
+    except BaseException:
+        if dispatch == "linked":
+            for stages in pipelines:
+                for h in stages:
+                    h.abort.remote()
+        raise
+    return {"losses": losses, "steps": steps}
+
+
+def wait_all(refs: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Every result, in order; raises the first error as soon as it is known, and
+    ``TimeoutError`` naming how many are unfinished after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(pending)} of {len(refs)} pipeline calls unfinished after {timeout_s:g} s")
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.5), fetch_local=False)
+        for ref in done:
+            ray.get(ref, timeout=max(1.0, left))  # raises the call's error now
+    return ray.get(list(refs), timeout=max(1.0, deadline - time.monotonic()))
