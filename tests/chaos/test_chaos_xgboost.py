@@ -1,0 +1,88 @@
+"""Chaos for XGBoost with trainers on spot (``prefer_spot``): a trainer's node drained with
+notice, later another removed without notice, each replaced. A driver step is one chunk
+of rounds and is checkpointed, so a loss costs at most the chunk in flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from raylane.cluster import ClusterView
+from raylane.driver import Driver, DriverConfig
+from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload
+from raylane.runlog import read_jsonl
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+ROUNDS, CHUNK = 60, 10
+
+
+def wait_all_free(timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if all(n.available.get("CPU", 0) == n.cpus for n in ClusterView.from_ray().usable):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("cluster CPUs were not released in time")
+
+
+def make(tmp_path, name: str) -> XGBoostJobConfig:
+    conf = XGBoostJobConfig(data=DataConfig(source="synthetic:classification", rows=60_000, num_features=10, seed=3), num_boost_round=ROUNDS,
+                            checkpoint_every=CHUNK, trainers=2, prefer_spot=True, params={"eval_metric": ["logloss"]})
+    conf.driver = DriverConfig(run_name=name, runs_dir=str(tmp_path), progress=False, tensorboard=False)
+    return conf
+
+
+def test_xgboost_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
+    market = spot_cluster
+    wait_all_free()
+    calm = Driver(XGBoostWorkload(conf := make(tmp_path, "calm")), conf.driver).run()
+    assert calm["state"] == "finished"
+    wait_all_free()
+    conf = make(tmp_path, "chaos")
+    workload = XGBoostWorkload(conf)
+    steps: list[int] = []
+    original = workload.step
+
+    def step(i: int):
+        steps.append(i)
+        time.sleep(1.5)  # chunks as long as on real data, so the schedule lands between and inside them
+        return original(i)
+
+    workload.step = step
+    log: list[str] = []
+
+    def schedule():
+        while len(steps) < 2:
+            time.sleep(0.02)
+        victim = sorted(market.spot_nodes(), key=lambda n: n.name)[0]
+        log.append(f"notice {victim.name} at step {len(steps)}")
+        market.preempt(victim, notice_s=2.0)
+        market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
+        while len(steps) < 4:
+            time.sleep(0.02)
+        victim = sorted(market.spot_nodes(), key=lambda n: n.name)[-1]
+        log.append(f"remove {victim.name} at step {len(steps)}")
+        market.remove(victim)
+        market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
+
+    t = threading.Thread(target=schedule, daemon=True)
+    t.start()
+    summary = Driver(workload, conf.driver).run()
+    t.join(timeout=120)
+    assert len(log) == 2 and summary["state"] == "finished", (log, summary)
+    events = read_jsonl(tmp_path / "chaos" / "events.jsonl")
+    assert any(e["event"] == "NodeLeaving" for e in events)  # the notice was seen as such
+    assert summary["failures_recovered"] >= 1
+    final = summary["final_metrics"]
+    assert final["round"] == ROUNDS  # every round boosted once into the final model
+    ckpt_rounds = []
+    for e in events:
+        if e["event"] == "checkpoint":
+            ckpt_rounds.append(min(ROUNDS, e["step"] * CHUNK))
+        if e["event"] == "xgboost_resume":
+            # back to the newest checkpoint: at most the chunk in flight was lost
+            assert e["round"] == ckpt_rounds[-1], (e, ckpt_rounds)
+    assert abs(final["eval-logloss"] - calm["final_metrics"]["eval-logloss"]) < 0.01, (final, calm["final_metrics"])
