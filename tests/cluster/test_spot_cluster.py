@@ -190,7 +190,8 @@ def test_driver_finishes_through_spot_preemptions_with_exact_result(spot_cluster
     def chaos():
         while len(steps_seen) < 10:
             time.sleep(0.05)
-        spot_cluster.preempt(by_name(spot_cluster, "spot-fast"), notice_s=1.0)  # with notice
+        # with notice: long enough that the driver polls at a step boundary inside it even on a loaded CI machine
+        spot_cluster.preempt(by_name(spot_cluster, "spot-fast"), notice_s=5.0)
         while len(steps_seen) < 40:
             time.sleep(0.05)
         spot_cluster.remove(by_name(spot_cluster, "spot-slow"))  # without notice

@@ -1,5 +1,5 @@
 """Pipelined steps against the unsplit model on one process: same loss, gradients and
-updated weights for every schedule, both dispatch modes, recomputation, and 2 replicas."""
+updated weights for every schedule, every dispatch mode and transport, recomputation, and 2 replicas."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from raylane import schedules as S
 from raylane.actors import gpt
-from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, pieces_for, train_batch
+from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, pieces_for, train_batch
 from raylane.layer_split import split_virtual
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -51,23 +51,23 @@ def stages(ray_local):
     out = {
         "driver": [PipelineStage.options(num_cpus=0.25).remote(CFG) for _ in range(4)],
         "linked": [LinkedStage.options(num_cpus=0.25).remote(CFG) for _ in range(4)],
+        "gloo": [LinkedStage.options(num_cpus=0.25).remote(CFG) for _ in range(4)],
     }
     ray.get([h.__ray_ready__.remote() for hs in out.values() for h in hs], timeout=120)
     return out
 
 
-def setup_pipelines(handles, sched: S.Schedule, replicas: int, recompute: bool = False):
+def setup_pipelines(handles, sched: S.Schedule, replicas: int, transport: str | None):
     ranges = split_virtual([1.0] * MODEL.n_layers, [1.0] * sched.p, sched.v)
     pieces = pieces_for(sched, ranges)
     pipelines = [handles[r * sched.p:(r + 1) * sched.p] for r in range(replicas)]
-    calls = []
-    for stages in pipelines:
-        for s, h in enumerate(stages):
-            calls.append(h.load.remote(pieces[s], sched.virtual_stages - 1))
-            if hasattr(h, "connect"):
-                calls.append(h.connect.remote(s, stages))
-    ray.get(calls, timeout=60)
+    ray.get([h.load.remote(pieces[s], sched.virtual_stages - 1) for stages in pipelines for s, h in enumerate(stages)], timeout=60)
+    if transport is not None:
+        connect_linked(pipelines, transport, 60)
     return pipelines
+
+
+MODES = {"driver": ("driver", None), "linked": ("linked", "ray"), "gloo": ("linked", "gloo")}  # mode -> (dispatch, transport)
 
 
 def gathered(pipelines, method: str) -> dict:
@@ -84,11 +84,12 @@ def check_close(got: dict, want: dict, what: str) -> None:
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} of layer {i} tensor {k}: {m}")
 
 
-@pytest.mark.parametrize("dispatch", ["driver", "linked"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("bfs", 2)])
-def test_pipelined_step_equals_the_unsplit_model(stages, dispatch, name, v):
+def test_pipelined_step_equals_the_unsplit_model(stages, mode, name, v):
+    dispatch, transport = MODES[mode]
     sched = S.make(name, 2, M, v)
-    pipelines = setup_pipelines(stages[dispatch], sched, replicas=1)
+    pipelines = setup_pipelines(stages[mode], sched, replicas=1, transport=transport)
     data = batch(7)
     out = train_batch(pipelines, sched, [data], dispatch=dispatch, timeout_s=60, step=False)
     want_losses, want_grads, want_params = reference([data], CFG)
@@ -100,13 +101,14 @@ def test_pipelined_step_equals_the_unsplit_model(stages, dispatch, name, v):
     check_close(params, want_params, "updated weight")
 
 
-@pytest.mark.parametrize("dispatch", ["driver", "linked"])
-def test_recomputation_gives_the_same_step(ray_local, dispatch):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_recomputation_gives_the_same_step(ray_local, mode):
+    dispatch, transport = MODES[mode]
     cfg = StageConfig(MODEL, lr=1e-2, weight_decay=0.01, recompute=True)
     cls = PipelineStage if dispatch == "driver" else LinkedStage
     handles = [cls.options(num_cpus=0.25).remote(cfg) for _ in range(2)]
     sched = S.make("1f1b", 2, M)
-    pipelines = setup_pipelines(handles, sched, replicas=1)
+    pipelines = setup_pipelines(handles, sched, replicas=1, transport=transport)
     data = batch(11)
     out = train_batch(pipelines, sched, [data], dispatch=dispatch, timeout_s=60)
     want_losses, _, want_params = reference([data], cfg)
@@ -118,10 +120,11 @@ def test_recomputation_gives_the_same_step(ray_local, dispatch):
         ray.kill(h)
 
 
-@pytest.mark.parametrize("dispatch", ["driver", "linked"])
-def test_two_replicas_equal_single_process_data_parallel(stages, dispatch):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_replicas_equal_single_process_data_parallel(stages, mode):
+    dispatch, transport = MODES[mode]
     sched = S.make("interleaved", 2, M, 2)
-    pipelines = setup_pipelines(stages[dispatch], sched, replicas=2)
+    pipelines = setup_pipelines(stages[mode], sched, replicas=2, transport=transport)
     data = [batch(21), batch(22)]
     out = train_batch(pipelines, sched, data, dispatch=dispatch, timeout_s=60)
     want_losses, _, want_params = reference(data, CFG)

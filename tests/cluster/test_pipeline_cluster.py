@@ -1,0 +1,82 @@
+"""pipeline_lm on a simulated 3-node cluster (an on-demand head and spot nodes
+'spot-slow' (speed 1) and 'spot-fast' (speed 2), 2 CPUs each): layers follow node speed,
+a node lost with no room for a replacement leaves the pipeline cut over fewer stages
+from the last checkpoint, and when a node joins it is cut over more stages again, from
+the live state; the run still ends with the weights of an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from raylane.cluster import ClusterView
+from raylane.driver import Driver, DriverConfig
+from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig, PipelineLMWorkload
+
+from pipeline_ref import check_close, final_params, reference  # tests/pipeline_ref.py
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+
+def by_name(market, name):
+    return next(n for n in market.nodes.values() if n.name == name)
+
+
+def wait_all_free(timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if all(n.available.get("CPU", 0) == n.cpus for n in ClusterView.from_ray().usable):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("cluster CPUs were not released in time")
+
+
+def test_pipeline_shrinks_to_the_stages_that_fit_and_grows_back_with_exact_weights(spot_cluster, tmp_path):
+    wait_all_free()
+    steps = 36
+    conf = PipelineLMConfig(
+        model=ModelShape(seq_len=16, d_model=32, n_heads=2, n_blocks=4, seed=1), stages=3, schedule="gpipe", micro_batches=3,
+        micro_batch_size=2, text_chars=20_000, stage_cpus=2, lr=5e-3, split="even", replace_timeout_s=3.0,
+    )
+    conf.driver = DriverConfig(run_name="plm-spot", runs_dir=str(tmp_path), max_steps=steps, checkpoint_every_steps=5, progress=False, tensorboard=False)
+    workload = PipelineLMWorkload(conf)
+    seen: list[int] = []
+    original = workload.step
+    node_back = threading.Event()
+
+    def step(i):
+        seen.append(i)
+        if i == 24:  # hold the run until capacity is back, so the regrowth is observed
+            assert node_back.wait(timeout=120)
+        return original(i)
+
+    workload.step = step
+
+    def chaos():
+        while len(seen) < 12:
+            time.sleep(0.02)
+        spot_cluster.remove(by_name(spot_cluster, "spot-fast"))  # no notice; no room left for its stage
+        while len(seen) < 22:
+            time.sleep(0.02)
+        spot_cluster.add_node("spot", speed=2.0, cpus=2, name="spot-fast")
+        node_back.set()
+
+    t = threading.Thread(target=chaos, daemon=True)
+    t.start()
+    summary = Driver(workload, conf.driver).run()
+    t.join(timeout=60)
+    assert summary["state"] == "finished" and summary["steps"] == steps
+    run = tmp_path / "plm-spot"
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    layouts = [e for e in events if e["event"] == "pipeline_layout"]
+    first = layouts[0]
+    assert first["stages"] == 3 and first["speeds"] == [2.0, 1.0, 1.0]
+    assert len(first["pieces"][0]["0"]) >= 3  # the stage on the node twice as fast holds half the layers
+    assert [lay["stages"] for lay in layouts][-2:] == [2, 3], [(lay["stages"], lay["speeds"]) for lay in layouts]
+    assert any(e["event"] == "pipeline_grow" for e in events)
+    assert any(e["event"] == "NodeLost" for e in events)
+    _, want = reference(conf, steps)
+    check_close(final_params(run), want, conf.model.d_model)
