@@ -118,7 +118,7 @@ class PipelineLMConfig:
     """Longest to wait for stage actors to start."""
     replace_timeout_s: float = cfg.field(30.0, gt=0)
     """After a lost stage, how long to wait for a replacement before the layers are cut over fewer stages."""
-    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=150, checkpoint_every_steps=50))
+    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=400, checkpoint_every_steps=100))
     """Run name, stop rules, checkpoints."""
 
     def validate(self) -> None:
