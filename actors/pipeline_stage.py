@@ -83,6 +83,7 @@ class StageCore:
         self.peak = 0
         self.busy_s = 0.0  # seconds in forward/backward since the last step
         self.span: tuple[float, float] | None = None  # wall clock of the first op's start and the last op's end
+        self.ops: list[tuple[str, int, int, float, float]] = []  # (kind, vstage, mb, start, end) since the last step
 
     # ------------------------------------------------------------ layers and state
 
@@ -118,8 +119,9 @@ class StageCore:
 
     # ------------------------------------------------------------ operations
 
-    def _timed(self, t0: float) -> None:
+    def _timed(self, kind: str, vstage: int, mb: int, t0: float) -> None:
         t1 = time.time()
+        self.ops.append((kind, vstage, mb, t0, t1))
         self.busy_s += t1 - t0
         self.span = (t0, t1) if self.span is None else (min(self.span[0], t0), t1)
 
@@ -130,7 +132,7 @@ class StageCore:
         try:
             return self._forward(vstage, mb, x, targets, scale)
         finally:
-            self._timed(t0)
+            self._timed("F", vstage, mb, t0)
 
     def _forward(self, vstage: int, mb: int, x: torch.Tensor, targets: torch.Tensor | None, scale: float) -> torch.Tensor:
         with warnings.catch_warnings():  # read-only arrays from the object store; never written to
@@ -161,7 +163,7 @@ class StageCore:
         try:
             return self._backward(vstage, mb, grad)
         finally:
-            self._timed(t0)
+            self._timed("B", vstage, mb, t0)
 
     def _backward(self, vstage: int, mb: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         inp, out = self.stash.pop((vstage, mb))
@@ -193,11 +195,11 @@ class StageCore:
             opt.step()
             opt.zero_grad(set_to_none=True)
         peak, self.peak = self.peak, 0
-        busy, span = self.busy_s, self.span
-        self.busy_s, self.span = 0.0, None
+        busy, span, ops = self.busy_s, self.span, self.ops
+        self.busy_s, self.span, self.ops = 0.0, None, []
         # busy and span (wall clock, comparable between the stages of one machine or of
         # clock-synchronised nodes) give the batch's measured bubble: see measured_bubble()
-        return {"peak_activations": peak, "replicas": n, "busy_s": busy, "span": list(span) if span else None}
+        return {"peak_activations": peak, "replicas": n, "busy_s": busy, "span": list(span) if span else None, "ops": ops}
 
     def run_local(self, sched: Schedule, stage: int, inbox: dict, send, tokens: Any, targets: Any, scale: float, take) -> list[float]:
         """Run this stage's operations of ``sched`` (the step excluded). ``take(key)`` waits
@@ -365,6 +367,8 @@ class LinkedStage(_StageBase):
             self.aborted = False
         me = self.index
         link = self.group
+        if link is not None:
+            link.begin(incoming(sched, me))
 
         def take(key: tuple) -> Any:
             if link is not None and key not in self.inbox:
@@ -409,6 +413,22 @@ class LinkedStage(_StageBase):
             raise
 
 
+def incoming(sched: Schedule, stage: int) -> list[tuple[int, int]]:
+    """``(source stage, tag)`` of every tensor ``stage`` receives from another stage in one
+    batch of ``sched``, in the order it uses them."""
+    out = []
+    last = sched.virtual_stages - 1
+    for op in sched.ops[stage]:
+        if op.kind == "S":
+            continue
+        j = sched.vstage(stage, op.chunk)
+        if op.kind == "F" and j > 0 and sched.where(j - 1)[0] != stage:
+            out.append((sched.where(j - 1)[0], _tag(sched, ("F", op.mb, j))))
+        elif op.kind == "B" and j < last and sched.where(j + 1)[0] != stage:
+            out.append((sched.where(j + 1)[0], _tag(sched, ("B", op.mb, j))))
+    return out
+
+
 def _tag(sched: Schedule, key: tuple) -> int:
     """A distinct message tag per (kind, micro-batch, virtual stage) of a batch."""
     kind, mb, j = key
@@ -421,11 +441,18 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 class GlooLink:
     """Point-to-point tensors between the stages of one pipeline over a gloo process group
     of their own (not the process's default group, so a stage can leave one and join the
-    next after a re-split). A send is a small header (dtype, shape) and the payload, both
-    non-blocking; :meth:`flush` waits for them at the end of a batch. The group's timeout
-    bounds every wait."""
+    next after a re-split). The group's timeout bounds every wait.
+
+    The first batch after joining sends a small header (dtype, shape) before each tensor,
+    and both sides remember the shape per message; later batches send the tensor alone,
+    into receives posted ahead (:meth:`begin`, a few messages ahead of use). A receive
+    posted late costs a round trip to a sender that is busy computing, which on a machine
+    with as many busy stages as cores came to several milliseconds a hop; posted ahead,
+    the data lands while the receiver is still computing. Sends are non-blocking;
+    :meth:`flush` waits for them at the end of a batch."""
 
     MAX_DIMS = 6
+    WINDOW = 4  # receives posted ahead of use
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float):
         from datetime import timedelta
@@ -439,29 +466,71 @@ class GlooLink:
         opts._devices = [ProcessGroupGloo.create_device(hostname=host if rank == 0 else _node_ip())]
         self.pg = ProcessGroupGloo(self.store, rank, size, opts)
         self.pending: list[tuple[Any, ...]] = []
+        self.shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # tag -> what the first batch carried
+        self.warm = False  # a batch has completed: shapes are known on both sides
+        self.expected: list[tuple[int, int]] = []  # (src, tag) still to post, in the order they are used
+        self.posted: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def begin(self, expected: Sequence[tuple[int, int]]) -> None:
+        """A batch starts: ``expected`` are its incoming (source stage, tag), in the order
+        they will be taken."""
+        self.expected, self.posted = (list(expected) if self.warm else []), {}
+        self._post()
+
+    def _post(self) -> None:
+        if not self.warm:
+            return
+        while self.expected and len(self.posted) < self.WINDOW:
+            src, tag = self.expected.pop(0)
+            dtype, shape = self.shapes[tag]
+            buf = torch.empty(shape, dtype=dtype)
+            self.posted[tag] = (buf, self.pg.recv([buf], src, 2 * tag + 1))
 
     def send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         t = tensor.detach().to("cpu").contiguous()
         if t.dim() > self.MAX_DIMS or t.dtype not in _DTYPES:
             raise ValueError(f"gloo transport: cannot send a {t.dtype} tensor of {t.dim()} dims (at most {self.MAX_DIMS}; dtypes {_DTYPES})")
+        if self.warm:
+            if self.shapes.get(tag) != (t.dtype, tuple(t.shape)):
+                raise ValueError(f"gloo transport: message {tag} is {t.dtype} {tuple(t.shape)} but was {self.shapes.get(tag)} in the first batch; "
+                                 "micro-batches must keep their shapes from batch to batch (or use transport=ray)")
+            self.pending.append((t, self.pg.send([t], to, 2 * tag + 1)))
+            return
+        self.shapes[tag] = (t.dtype, tuple(t.shape))
         header = torch.full((2 + self.MAX_DIMS,), -1, dtype=torch.int64)
         header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
         header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         self.pending.append((header, t, self.pg.send([header], to, 2 * tag), self.pg.send([t], to, 2 * tag + 1)))
 
     def recv(self, src: int, tag: int) -> torch.Tensor:
+        if self.warm:
+            if tag not in self.posted:
+                self.expected = [e for e in self.expected if e[1] != tag]
+                dtype, shape = self.shapes[tag]
+                buf = torch.empty(shape, dtype=dtype)
+                self.posted[tag] = (buf, self.pg.recv([buf], src, 2 * tag + 1))
+            buf, work = self.posted.pop(tag)
+            work.wait()
+            self._post()
+            return buf
         header = torch.empty(2 + self.MAX_DIMS, dtype=torch.int64)
         self.pg.recv([header], src, 2 * tag).wait()
-        shape = [int(x) for x in header[2:2 + int(header[1])]]
-        out = torch.empty(shape, dtype=_DTYPES[int(header[0])])
+        shape = tuple(int(x) for x in header[2:2 + int(header[1])])
+        dtype = _DTYPES[int(header[0])]
+        self.shapes[tag] = (dtype, shape)
+        out = torch.empty(shape, dtype=dtype)
         self.pg.recv([out], src, 2 * tag + 1).wait()
         return out
 
     def flush(self) -> None:
+        """The batch is done on this stage: wait for its sends to leave."""
         pending, self.pending = self.pending, []
-        for _, _, w1, w2 in pending:
-            w1.wait()
-            w2.wait()
+        for item in pending:
+            for work in item[len(item) // 2:]:
+                work.wait()
+        if self.posted or self.expected:
+            raise RuntimeError(f"gloo transport: the batch ended with {len(self.posted) + len(self.expected)} message(s) not taken")
+        self.warm = True
 
     def abort(self) -> None:
         try:
@@ -470,7 +539,7 @@ class GlooLink:
             pass
 
     def close(self) -> None:
-        self.pending = []
+        self.pending, self.posted = [], {}
         for fn in (self.pg.abort, self.pg.shutdown):
             try:
                 fn()

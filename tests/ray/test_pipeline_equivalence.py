@@ -133,3 +133,30 @@ def test_two_replicas_equal_single_process_data_parallel(stages, mode):
     for r in range(2):
         params = {i: st["params"] for i, st in gathered([pipelines[r]], "state").items()}
         check_close(params, want_params, f"replica {r} updated weight")
+
+
+def test_gloo_links_refuse_a_micro_batch_whose_shape_changed(ray_local):
+    handles = [LinkedStage.options(num_cpus=0.25).remote(CFG) for _ in range(2)]
+    sched = S.make("1f1b", 2, M)
+    pipelines = setup_pipelines(handles, sched, replicas=1, transport="gloo")
+    first = batch(31)
+    for _ in range(2):  # the first batch teaches both sides the shapes; the second uses them
+        train_batch(pipelines, sched, [first], dispatch="linked", timeout_s=60)
+    g = torch.Generator().manual_seed(5)
+    wider = torch.randint(0, MODEL.vocab, (M, B + 1, MODEL.seq_len + 1), generator=g)
+    with pytest.raises(Exception, match="must keep their shapes"):
+        train_batch(pipelines, sched, [(wider[..., :-1], wider[..., 1:])], dispatch="linked", timeout_s=30)
+    for h in handles:
+        ray.kill(h)
+
+
+def test_incoming_lists_what_each_stage_receives_in_the_order_it_takes_it():
+    from raylane.actors.pipeline_stage import incoming
+
+    sched = S.make("interleaved", 2, 2, 2)
+    got = incoming(sched, 0)
+    # stage 0 holds virtual stages 0 and 2: it receives F into 2 (from stage 1's vstage 1)
+    # and B into 0 and 2 (from stage 1's vstages 1 and 3)
+    assert sorted(src for src, _ in got) == [1] * len(got)
+    assert len(got) == 2 * 2 + 2  # F into vstage 2 for 2 micro-batches, B into vstages 0 and 2
+    assert len(set(tag for _, tag in got)) == len(got)
