@@ -126,6 +126,9 @@ def run(
 from raylane import cli_control  # noqa: E402 - the commands that talk to a running job
 
 cli_control.register(app)
+from raylane import cli_submit, devcluster  # noqa: E402 - Ray Jobs API commands; the local dev cluster
+cli_submit.register(app)
+devcluster.register(app)
 
 
 def main() -> None:

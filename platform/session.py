@@ -28,6 +28,10 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, dashboar
     else:
         kwargs["address"] = address
     ray.init(**kwargs)
+    from raylane.security import loose_token_warning  # Ray has just settled on its auth mode and token
+
+    if problem := loose_token_warning():
+        log.warning(problem)
     return ray.get_runtime_context().gcs_address
 
 

@@ -1,0 +1,466 @@
+"""``raylane dev-cluster up|down|status``: a real multi-node Ray cluster on this machine.
+
+``up`` runs ``ray start`` once for an on-demand head that does no training work
+(0 CPUs, like the head of ``deploy/cluster.yaml``) and once per worker node, each
+labelled with its market and speed, so placement, spot preference and
+``raylane submit`` can be tried end to end before a cloud is involved. Everything is
+as on a real cluster: token authentication on, the dashboard and Jobs API on
+127.0.0.1, a Ray temp dir of its own, free ports picked at start (never Ray's
+defaults, which another Ray on the machine may hold).
+
+``down`` stops exactly what ``up`` started, and nothing else: every process ``up``
+starts carries ``RAYLANE_DEV_CLUSTER_ID=<id>`` in its environment, which Ray hands
+on to everything it spawns (raylets, workers, job drivers), so the processes to stop
+are found by that marker, plus their descendants. ``ray stop`` is never used: it
+stops every Ray on the machine.
+
+What ``up`` recorded lives in ``<dir>/state.json`` (default ``~/.raylane/dev-cluster``,
+or ``RAYLANE_DEV_CLUSTER_DIR``); ``raylane submit`` reads it to find the cluster when
+no ``--address`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+
+from raylane import security
+from raylane.cluster import MARKET_LABEL, SPEED_LABEL
+
+DIR_ENV = "RAYLANE_DEV_CLUSTER_DIR"
+MARKER_ENV = "RAYLANE_DEV_CLUSTER_ID"
+MAX_NODES = 16
+
+
+class DevClusterError(RuntimeError):
+    """The dev cluster could not be started, found or stopped; the message says why."""
+
+
+@dataclass
+class NodeRecord:
+    name: str
+    market: str
+    speed: float
+    cpus: int
+    is_head: bool = False
+
+
+@dataclass
+class DevClusterState:
+    """What ``up`` started, written to ``<dir>/state.json`` for ``down``, ``status`` and ``submit``."""
+
+    cluster_id: str
+    gcs_address: str
+    dashboard_url: str
+    dashboard_host: str
+    temp_dir: str
+    auth_mode: str
+    token_source: str | None
+    token_path: str | None = None
+    """The token file the cluster reads (never the token itself), for `status` when none is set here."""
+    workdir: str = ""
+    """Where job drivers start (the directory `up` ran in): relative run folders land under it."""
+    nodes: list[NodeRecord] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+
+    @classmethod
+    def load(cls, state_dir: Path) -> "DevClusterState | None":
+        path = state_dir / "state.json"
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise DevClusterError(f"{path} is not a dev-cluster record ({exc}); remove it if no dev cluster runs") from None
+        raw["nodes"] = [NodeRecord(**n) for n in raw.get("nodes", [])]
+        return cls(**raw)
+
+    def save(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = state_dir / "state.json.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=2), encoding="utf-8")
+        tmp.replace(state_dir / "state.json")  # atomic: a reader never sees half a record
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get(DIR_ENV) or Path.home() / ".raylane" / "dev-cluster").expanduser()
+
+
+def _free_port(taken: set[int]) -> int:
+    # Bound on all interfaces: Ray's GCS and agents listen there, so a port free only on
+    # loopback would still collide.
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            taken.add(port)
+            return port
+    raise DevClusterError("could not find a free TCP port")
+
+
+def _ray_executable() -> str:
+    # The `ray` next to this interpreter: the cluster must run the same Ray and raylane.
+    sibling = Path(sys.executable).with_name("ray")
+    found = str(sibling) if sibling.exists() else shutil.which("ray")
+    if not found:
+        raise DevClusterError(f"no `ray` executable beside {sys.executable} or on PATH; install ray[default] in this environment")
+    return found
+
+
+def _labels(market: str, speed: float) -> str:
+    return f"{MARKET_LABEL}={market},{SPEED_LABEL}={speed:g}"
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+def processes(cluster_id: str) -> list:
+    """Every live process of the dev cluster ``cluster_id``: those carrying its marker, and their descendants."""
+    import psutil
+
+    marked = {}
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARKER_ENV) == cluster_id and proc.status() != psutil.STATUS_ZOMBIE:
+                marked[proc.pid] = proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    for proc in list(marked.values()):
+        try:
+            for child in proc.children(recursive=True):
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    marked.setdefault(child.pid, child)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return list(marked.values())
+
+
+def _validate(spot: int, ondemand: int, cpus: int, head_cpus: int, spot_speed: float, ondemand_speed: float, object_store_mb: int) -> None:
+    problems = []
+    if spot < 0 or ondemand < 0:
+        problems.append(f"--spot {spot} / --ondemand {ondemand}: node counts must be >= 0")
+    if spot + ondemand > MAX_NODES:
+        problems.append(f"--spot {spot} + --ondemand {ondemand} = {spot + ondemand} worker nodes; at most {MAX_NODES} on one machine")
+    if cpus < 1:
+        problems.append(f"--cpus {cpus}: each worker node needs >= 1 CPU")
+    if head_cpus < 0:
+        problems.append(f"--head-cpus {head_cpus}: must be >= 0 (0 keeps training work off the head)")
+    for name, speed in (("--spot-speed", spot_speed), ("--ondemand-speed", ondemand_speed)):
+        if not (math.isfinite(speed) and speed > 0):
+            problems.append(f"{name} {speed}: must be a finite number > 0 (a relative speed such as 1 or 2.5)")
+    if object_store_mb < 80:
+        problems.append(f"--object-store-mb {object_store_mb}: Ray needs at least 80 MiB per node")
+    if problems:
+        raise DevClusterError("; ".join(problems))
+
+
+def up(
+    spot: int = 1,
+    ondemand: int = 1,
+    *,
+    cpus: int = 2,
+    head_cpus: int = 0,
+    spot_speed: float = 1.0,
+    ondemand_speed: float = 1.0,
+    dashboard_host: str = "127.0.0.1",
+    object_store_mb: int = 256,
+    state_dir: Path | None = None,
+    timeout_s: float = 120.0,
+    log: Callable[[str], None] = print,
+    warn: Callable[[str], None] = print,
+) -> DevClusterState:
+    """Start a head and ``spot`` + ``ondemand`` worker nodes; returns once Ray lists them all with their labels."""
+    _validate(spot, ondemand, cpus, head_cpus, spot_speed, ondemand_speed, object_store_mb)
+    state_dir = state_dir or default_dir()
+    old = DevClusterState.load(state_dir)
+    if old is not None:
+        if processes(old.cluster_id):
+            raise DevClusterError(f"a dev cluster is already up (dashboard {old.dashboard_url}, recorded in {state_dir}); "
+                                  "`raylane dev-cluster down` first")
+        _forget(state_dir, old, keep_logs=False)  # a stale record of a cluster that is gone
+
+    mode = security.auth_mode()
+    note = security.check_dashboard_host(dashboard_host, mode)
+    if note:
+        warn(note)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    token = None
+    if mode == "token":
+        token = security.find_token()
+        if token is None:
+            token = security.create_token_file(security.default_token_path())
+            log(f"created a new cluster token in {token.path} (mode 600)")
+        if token.path is not None:
+            problem = security.token_file_warning(token.path)
+            if problem:
+                warn(problem)
+            env[security.TOKEN_PATH_ENV] = str(token.path)
+        env[security.AUTH_MODE_ENV] = "token"
+    cluster_id = uuid.uuid4().hex[:12]
+    env[MARKER_ENV] = cluster_id
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Job entrypoints say `python`: on this cluster that must be this interpreter, which has raylane.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+
+    # Short and private: Ray's socket paths must stay under the 107-byte limit of a unix socket.
+    temp_dir = tempfile.mkdtemp(prefix=f"rl-dev-{cluster_id[:6]}-", dir="/tmp")
+    logs = state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    taken: set[int] = set()
+    gcs_port, dash_port, client_port = _free_port(taken), _free_port(taken), _free_port(taken)
+    state = DevClusterState(
+        cluster_id=cluster_id,
+        gcs_address=f"127.0.0.1:{gcs_port}",
+        # Clients on this machine use loopback whenever the bind includes it (0.0.0.0 does).
+        dashboard_url=f"http://{'127.0.0.1' if security.is_loopback(dashboard_host) or dashboard_host in ('0.0.0.0', '::') else dashboard_host}:{dash_port}",
+        dashboard_host=dashboard_host,
+        temp_dir=temp_dir,
+        auth_mode=mode,
+        token_source=token.source if token else None,
+        token_path=str(token.path) if token and token.path else None,
+        workdir=os.getcwd(),
+    )
+    state.save(state_dir)  # before anything starts, so `down` can always find what did
+    ray_bin = _ray_executable()
+    common = [f"--temp-dir={temp_dir}", f"--object-store-memory={object_store_mb * 2**20}", "--num-gpus=0", "--disable-usage-stats"]
+    deadline = time.monotonic() + timeout_s
+    try:
+        head = NodeRecord("head", "on-demand", ondemand_speed, head_cpus, is_head=True)
+        log(f"starting the head (on-demand, {head_cpus} CPU, dashboard {state.dashboard_url}) ...")
+        head_cmd = [ray_bin, "start", "--head", f"--port={gcs_port}", f"--dashboard-host={dashboard_host}", f"--dashboard-port={dash_port}",
+                    "--include-dashboard=true", f"--ray-client-server-port={client_port}", f"--dashboard-agent-listen-port={_free_port(taken)}",
+                    f"--num-cpus={head_cpus}", "--node-name=head", f"--labels={_labels(head.market, head.speed)}", *common]
+        _wait_start(_spawn(head_cmd, env, logs / "head.log"), "the head", logs / "head.log", deadline)
+        state.nodes.append(head)
+        state.save(state_dir)
+        workers = [NodeRecord(f"on-demand-{i + 1}", "on-demand", ondemand_speed, cpus) for i in range(ondemand)]
+        workers += [NodeRecord(f"spot-{i + 1}", "spot", spot_speed, cpus) for i in range(spot)]
+        if workers:
+            log(f"starting {len(workers)} worker node(s): {', '.join(w.name for w in workers)} ...")
+        for w in workers:
+            # One at a time: nodes sharing a temp dir pick their socket names by looking
+            # for free ones, and two starting at once can pick the same one.
+            cmd = [ray_bin, "start", f"--address={state.gcs_address}", f"--num-cpus={w.cpus}", f"--node-name={w.name}",
+                   f"--dashboard-agent-listen-port={_free_port(taken)}", f"--labels={_labels(w.market, w.speed)}", *common]
+            _wait_start(_spawn(cmd, env, logs / f"{w.name}.log"), w.name, logs / f"{w.name}.log", deadline)
+            state.nodes.append(w)
+            state.save(state_dir)
+        _wait_for_nodes(state, token, deadline)
+    except DevClusterError as exc:
+        down(state_dir, keep_logs=True, log=lambda _m: None)  # stop what did start; keep the logs named here
+        raise DevClusterError(f"{exc}\nRay's own logs: {temp_dir}/session_latest/logs") from None
+    except BaseException:
+        down(state_dir, keep_logs=True, log=lambda _m: None)
+        raise
+    return state
+
+
+def _spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    out = open(log_path, "wb")
+    try:
+        # Its own session: a Ctrl-C in the terminal that ran `up` must not reach the cluster.
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        out.close()
+
+
+def _wait_start(proc: subprocess.Popen, name: str, log_path: Path, deadline: float) -> None:
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise DevClusterError(f"`ray start` for {name} did not finish in time; its output ({log_path}):\n{_tail(log_path)}") from None
+    if rc != 0:
+        raise DevClusterError(f"`ray start` for {name} failed (exit {rc}); its output ({log_path}):\n{_tail(log_path)}")
+
+
+def _headers(token: security.Token | None) -> dict:
+    return {"Authorization": f"Bearer {token.value}"} if token else {}
+
+
+def live_nodes(state: DevClusterState, token: security.Token | None, timeout_s: float = 10.0) -> list[dict]:
+    """The alive nodes as Ray's state API lists them (name, labels, resources)."""
+    import requests
+
+    r = requests.get(f"{state.dashboard_url}/api/v0/nodes", params={"limit": 1000, "detail": "true"}, headers=_headers(token), timeout=timeout_s)
+    r.raise_for_status()
+    rows = r.json()["data"]["result"]["result"]
+    return [n for n in rows if n.get("state") == "ALIVE"]
+
+
+def _wait_for_nodes(state: DevClusterState, token: security.Token | None, deadline: float) -> None:
+    import requests
+
+    want = {n.name: n for n in state.nodes}
+    last = "the dashboard did not answer"
+    while time.monotonic() < deadline:
+        try:
+            nodes = {n.get("node_name"): n for n in live_nodes(state, token)}
+            missing = [name for name, rec in want.items()
+                       if name not in nodes or (nodes[name].get("labels") or {}).get(MARKET_LABEL) != rec.market]
+            if not missing:
+                return
+            last = f"nodes not yet listed with their labels: {', '.join(missing)}"
+        except (requests.RequestException, KeyError, ValueError) as exc:
+            last = f"the state API at {state.dashboard_url} answered: {exc}"
+        time.sleep(0.5)
+    raise DevClusterError(f"the dev cluster did not come up in time: {last}")
+
+
+def _forget(state_dir: Path, state: DevClusterState, keep_logs: bool) -> None:
+    if not keep_logs:
+        shutil.rmtree(state.temp_dir, ignore_errors=True)
+        shutil.rmtree(state_dir / "logs", ignore_errors=True)
+    (state_dir / "state.json").unlink(missing_ok=True)
+
+
+def down(state_dir: Path | None = None, *, grace_s: float = 5.0, keep_logs: bool = False, log: Callable[[str], None] = print) -> list[int]:
+    """Stop every process of the recorded dev cluster (SIGTERM, then SIGKILL after ``grace_s``); returns their pids."""
+    import psutil
+
+    state_dir = state_dir or default_dir()
+    state = DevClusterState.load(state_dir)
+    if state is None:
+        log(f"no dev cluster recorded in {state_dir}; nothing to stop")
+        return []
+    stopped: list[int] = []
+    # A few rounds: a raylet may still spawn a worker while its siblings are stopping.
+    for _ in range(5):
+        procs = processes(state.cluster_id)
+        if not procs:
+            break
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5.0)
+        stopped += [p.pid for p in procs]
+    left = processes(state.cluster_id)
+    if left:
+        raise DevClusterError(f"could not stop dev-cluster processes {sorted(p.pid for p in left)}; stop them by pid and run down again")
+    _forget(state_dir, state, keep_logs)
+    log(f"stopped the dev cluster {state.cluster_id}: {len(set(stopped))} process(es)" + (f"; logs kept in {state.temp_dir}" if keep_logs else ""))
+    return sorted(set(stopped))
+
+
+# --------------------------------------------------------------------------------------- CLI
+
+dev_app = typer.Typer(help="A local multi-node Ray cluster (real `ray start` processes) to try raylane submit on.", no_args_is_help=True)
+DIR_HELP = "Where the dev cluster's record and logs live."
+
+
+def _dir_option() -> Path:
+    return typer.Option(None, "--dir", envvar=DIR_ENV, help=DIR_HELP + " Default: ~/.raylane/dev-cluster.", show_default=False)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@dev_app.command("up")
+def up_cmd(
+    spot: int = typer.Option(1, help="Spot worker nodes (label ray.io/market-type=spot)."),
+    ondemand: int = typer.Option(1, help="On-demand worker nodes (label ray.io/market-type=on-demand)."),
+    cpus: int = typer.Option(2, help="CPUs each worker node offers."),
+    head_cpus: int = typer.Option(0, help="CPUs the head offers (0: no training work on the head, as in deploy/)."),
+    spot_speed: float = typer.Option(1.0, help="raylane.io/speed label of the spot nodes."),
+    ondemand_speed: float = typer.Option(1.0, help="raylane.io/speed label of the on-demand nodes."),
+    dashboard_host: str = typer.Option("127.0.0.1", help="Address the dashboard and Jobs API bind to. Anything but loopback needs token authentication."),
+    object_store_mb: int = typer.Option(256, help="Object store size per node, MiB."),
+    timeout: float = typer.Option(120.0, help="Seconds to wait for every node to be up."),
+    state_dir: Optional[Path] = _dir_option(),
+) -> None:
+    """Start a head and worker nodes on this machine: labelled, token-protected, loopback-only."""
+    try:
+        state = up(spot, ondemand, cpus=cpus, head_cpus=head_cpus, spot_speed=spot_speed, ondemand_speed=ondemand_speed,
+                   dashboard_host=dashboard_host, object_store_mb=object_store_mb, state_dir=state_dir, timeout_s=timeout,
+                   log=typer.echo, warn=lambda m: typer.echo(f"warning: {m}", err=True))
+    except (DevClusterError, security.SecurityError) as exc:
+        _fail(str(exc))
+    _print_state(state, state_dir or default_dir())
+    typer.echo(f"\nsubmit a job:   raylane submit linreg --follow      (finds this cluster through {state_dir or default_dir()})")
+    typer.echo(f"from Ray's CLI: RAY_AUTH_MODE=token ray job submit --address {state.dashboard_url} -- python -m raylane.jobs.linreg")
+    typer.echo(f"cluster view:   RAY_AUTH_MODE=token raylane cluster --address {state.gcs_address}")
+    typer.echo("stop it:        raylane dev-cluster down")
+
+
+def _print_state(state: DevClusterState, state_dir: Path) -> None:
+    token = None
+    try:
+        token = security.find_token()
+    except security.SecurityError:
+        pass
+    if token is None and state.token_path and Path(state.token_path).exists():
+        token = security.Token(Path(state.token_path).read_text(encoding="utf-8").strip(), state.token_path, Path(state.token_path))
+    try:
+        nodes = {n.get("node_name"): n for n in live_nodes(state, token)}
+    except Exception as exc:  # status must still print what was recorded when the cluster is unreachable
+        nodes = {}
+        typer.echo(f"warning: the state API at {state.dashboard_url} did not answer: {exc}", err=True)
+    typer.echo(f"dev cluster {state.cluster_id}: Jobs API {state.dashboard_url}, GCS {state.gcs_address}, "
+               f"auth {state.auth_mode}" + (f" (token from {state.token_source})" if state.token_source else ""))
+    if state.workdir:
+        typer.echo(f"job drivers start in {state.workdir}: a job's run folder runs/<run name> is under it")
+    typer.echo(f"{'node':<14}{'market':<11}{'speed':<7}{'CPU':<5}{'node id':<14}status")
+    for rec in state.nodes:
+        live = nodes.get(rec.name)
+        labels = (live or {}).get("labels") or {}
+        typer.echo(f"{rec.name:<14}{labels.get(MARKET_LABEL, rec.market):<11}{labels.get(SPEED_LABEL, f'{rec.speed:g}'):<7}"
+                   f"{rec.cpus:<5}{(live or {}).get('node_id', '-')[:12]:<14}{'alive' if live else 'not listed'}")
+
+
+@dev_app.command("down")
+def down_cmd(
+    grace: float = typer.Option(5.0, help="Seconds between SIGTERM and SIGKILL."),
+    keep_logs: bool = typer.Option(False, help="Keep the Ray temp dir (session logs)."),
+    state_dir: Optional[Path] = _dir_option(),
+) -> None:
+    """Stop exactly the processes `dev-cluster up` started (never other Ray clusters on the machine)."""
+    try:
+        down(state_dir, grace_s=grace, keep_logs=keep_logs, log=typer.echo)
+    except DevClusterError as exc:
+        _fail(str(exc), code=1)
+
+
+@dev_app.command("status")
+def status_cmd(state_dir: Optional[Path] = _dir_option()) -> None:
+    """Show the recorded dev cluster and which of its nodes Ray lists as alive."""
+    state_dir = state_dir or default_dir()
+    try:
+        state = DevClusterState.load(state_dir)
+    except DevClusterError as exc:
+        _fail(str(exc))
+    if state is None:
+        _fail(f"no dev cluster recorded in {state_dir}; `raylane dev-cluster up` starts one", code=1)
+    alive = len(processes(state.cluster_id))
+    _print_state(state, state_dir)
+    typer.echo(f"{alive} live process(es)")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(dev_app, name="dev-cluster")

@@ -1,0 +1,175 @@
+"""`raylane submit` and friends refuse bad input before anything is sent, build the command a
+cluster runs, and find the cluster; no Ray is started here."""
+
+from __future__ import annotations
+
+import ast
+import shlex
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from raylane import registry, submission
+from raylane.cli import app
+from raylane.launch import load_job_config
+from raylane.submission import SubmissionError
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def recorder():
+    """A local HTTP server that answers nothing useful and counts every request it gets."""
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            seen.append(self.path)
+            self.send_response(500)
+            self.end_headers()
+
+        do_POST = do_GET
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_cluster(tmp_path, monkeypatch):
+    # Whatever the machine has (a dev cluster record, an address in the environment) must not leak in.
+    monkeypatch.setenv("RAYLANE_DEV_CLUSTER_DIR", str(tmp_path / "no-dev-cluster"))
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["linreq"], "unknown job 'linreq'. Did you mean 'linreg'?"),
+        (["linreg", "--set", "workrs=2"], "unknown key 'workrs'"),
+        (["linreg", "--set", "workers=0"], "workers: must be >= 1, got 0"),
+        (["linreg", "--set", "workers=9"], "workers (9) must not exceed max_workers (8)"),
+        (["linreg", "--set", "workers"], "key=value"),
+        (["linreg", "--config", "no/such/file.yaml"], "no/such/file.yaml"),
+        (["linreg", "--run-name", "a/b"], "--run-name 'a/b'"),
+    ],
+)
+def test_a_bad_submission_is_refused_before_anything_is_sent(recorder, args, message):
+    url, seen = recorder
+    result = CliRunner().invoke(app, ["submit", *args, "--address", url])
+    assert result.exit_code == 2, result.output
+    assert message in flat(result.output)
+    assert seen == [], "nothing may reach the cluster before the config is valid"
+
+
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ("auto", "needs the dashboard's URL"),
+        ("127.0.0.1:6379", "port 6379 is Ray's GCS"),
+        ("ftp://127.0.0.1:8265", "not a Jobs API address"),
+        ("http://127.0.0.1:notaport", "not a Jobs API address"),
+    ],
+)
+def test_an_address_that_is_not_a_jobs_api_url_is_refused(address, message):
+    result = CliRunner().invoke(app, ["list", "--address", address])
+    assert result.exit_code == 2 and message in flat(result.output), result.output
+
+
+def test_an_unreachable_cluster_is_one_sentence_not_a_stack_trace():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(app, ["status", "raysubmit_x", "--address", f"127.0.0.1:{port}"])
+    assert result.exit_code == 2
+    assert f"cannot reach the Ray Jobs API at http://127.0.0.1:{port}" in flat(result.output)
+    assert "Traceback" not in result.output
+
+
+def test_addresses_are_found_in_order(tmp_path, monkeypatch):
+    from raylane.devcluster import DevClusterState
+
+    assert submission.resolve_address(None) == ("http://127.0.0.1:8265", "the default")
+    state_dir = tmp_path / "dev"
+    monkeypatch.setenv("RAYLANE_DEV_CLUSTER_DIR", str(state_dir))
+    DevClusterState("abc", "127.0.0.1:1", "http://127.0.0.1:4321", "127.0.0.1", str(tmp_path), "token", None).save(state_dir)
+    assert submission.resolve_address(None)[0] == "http://127.0.0.1:4321"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "127.0.0.1:5555")
+    assert submission.resolve_address(None) == ("http://127.0.0.1:5555", "RAY_API_SERVER_ADDRESS")
+    assert submission.resolve_address("https://ray.example/") == ("https://ray.example", "--address")
+
+
+def test_a_config_file_travels_as_set_values_that_build_the_same_config(tmp_path):
+    spec = registry.get("linreg")
+    path = tmp_path / "linreg.yaml"
+    # A date-like run name and a quoted number stay strings; nested keys become dotted ones.
+    path.write_text("workers: 3\nlr: 1.0e-2\ndriver:\n  max_steps: 7\n  run_name: '2024-05-01'\n  runs_dir: '123'\n")
+    user = ["lr=0.3"]
+    overrides = submission.config_overrides(str(path), user)
+    assert overrides[-1] == "lr=0.3", "the user's --set comes last, so it wins over the file"
+    via_file = load_job_config(spec, config_file=str(path), overrides=user)
+    via_sets = load_job_config(spec, overrides=overrides)
+    assert via_sets == via_file and via_sets.driver.run_name == "2024-05-01" and via_sets.driver.runs_dir == "123"
+
+
+def test_the_entrypoint_is_the_jobs_module_with_every_value_quoted():
+    command = submission.entrypoint("linreg", ["driver.run_name=a b", "x=[1, 2]", "y=$(rm -rf ~)"], run_name="r 1")
+    assert shlex.split(command) == ["python", "-m", "raylane.jobs.linreg", "--set", "driver.run_name=a b", "--set", "x=[1, 2]",
+                                    "--set", "y=$(rm -rf ~)", "--run-name", "r 1", "--no-progress"]
+    with pytest.raises(SubmissionError, match="no raylane.jobs entry point"):
+        submission.entrypoint("nope", [])
+
+
+@pytest.mark.parametrize("job", sorted(registry.available()))
+def test_every_job_module_runs_as_a_script(job):
+    # `ray job submit -- python -m raylane.jobs.JOB` needs the module to call job_main when run as __main__.
+    module = submission.job_module(job)
+    source = Path(__import__(module, fromlist=["_"]).__file__).read_text()
+    mains = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert mains and "job_main(JOB)" in ast.unparse(mains[-1]), f"{module} has no `if __name__ == '__main__': job_main(JOB)`"
+
+
+def test_a_job_module_takes_the_same_flags_as_raylane_run():
+    out = subprocess.run([sys.executable, "-m", "raylane.jobs.linreg", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--config", "--set", "--address", "--run-name", "--no-progress"):
+        assert flag in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "raylane.jobs.linreg", "--set", "workers=0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "workers: must be >= 1, got 0" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--spot", "-1"], "node counts must be >= 0"),
+        (["--cpus", "0"], "needs >= 1 CPU"),
+        (["--spot-speed", "0"], "--spot-speed 0.0: must be a finite number > 0"),
+        (["--spot", "40"], "at most 16 on one machine"),
+    ],
+)
+def test_dev_cluster_refuses_bad_sizes_before_starting_anything(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["dev-cluster", "up", *args, "--dir", str(tmp_path / "dev")])
+    assert result.exit_code == 2 and message in flat(result.output), result.output
+    assert not (tmp_path / "dev").exists()
+
+
+def test_dev_cluster_down_without_a_cluster_says_so(tmp_path):
+    result = CliRunner().invoke(app, ["dev-cluster", "down", "--dir", str(tmp_path / "dev")])
+    assert result.exit_code == 0 and "nothing to stop" in result.output
