@@ -21,6 +21,8 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,15 +45,17 @@ class State(enum.Enum):
     RUNNING = "running"
     RECOVERING = "recovering"
     FINISHED = "finished"
+    STOPPED = "stopped"
     FAILED = "failed"
 
 
 # The transitions the driver may make; anything else is a bug in the driver.
 TRANSITIONS = {
     State.INITIALIZING: {State.RUNNING, State.FAILED},
-    State.RUNNING: {State.RUNNING, State.RECOVERING, State.FINISHED, State.FAILED},
+    State.RUNNING: {State.RUNNING, State.RECOVERING, State.FINISHED, State.STOPPED, State.FAILED},
     State.RECOVERING: {State.RUNNING, State.FAILED},
     State.FINISHED: set(),
+    State.STOPPED: set(),
     State.FAILED: set(),
 }
 
@@ -188,6 +192,7 @@ class Driver:
         self._channel: Any = None
         self._requested: list | None = None
         self._has_autoscaler: bool | None = None
+        self._stop_reason: str | None = None
 
     # ------------------------------------------------------------ state machine
 
@@ -201,7 +206,26 @@ class Driver:
         self.state = new
         self.history.append((time.time(), new))
 
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step boundary: checkpoint, run the end-of-run hook, end STOPPED.
+        Safe to call from a signal handler or another thread."""
+        self._stop_reason = reason
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.request_stop("SIGTERM (the job was stopped)")
+
     def run(self) -> dict[str, Any]:
+        # `raylane stop` / `ray job stop` send SIGTERM: end at the next step boundary with a
+        # checkpoint instead of dying mid-step (Ray sends SIGKILL a few seconds later).
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            try:
+                return self._run()
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+        return self._run()
+
+    def _run(self) -> dict[str, Any]:
         started = time.time()
         runlog = RunLog(self.run_dir, tensorboard=self.config.tensorboard)
         uri = self.config.checkpoint_uri
@@ -215,6 +239,11 @@ class Driver:
             self._to(State.RUNNING, "initialized")
             while self.state is State.RUNNING:
                 try:
+                    if self._stop_reason:
+                        self._checkpoint(force=f"stop requested: {self._stop_reason}")
+                        self._finish()
+                        self._to(State.STOPPED, self._stop_reason)
+                        break
                     if self._should_stop(started):
                         self._checkpoint(final=True)
                         self._finish()
@@ -240,7 +269,7 @@ class Driver:
                     self._recover(exc)
         except BaseException as exc:
             error = exc
-            if self.state not in (State.FINISHED, State.FAILED):
+            if self.state not in (State.FINISHED, State.STOPPED, State.FAILED):
                 self._to(State.FAILED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         finally:
             progress.close()

@@ -274,3 +274,25 @@ def test_preemption_notice_for_a_stateful_node_checkpoints_at_once(tmp_path):
     assert [s for s, _ in ckpts] == [0, 5, 7, 10, 12]
     assert w.stateless.evacuated == [("spot-node", "preemption notice")]  # stateless actors move early
     assert w.stateful.evacuated == []  # stateful ones are checkpointed, then replaced on recovery
+
+
+def test_sigterm_stops_at_the_next_step_with_a_checkpoint_and_a_resume_continues(tmp_path):
+    import os
+    import signal
+
+    class Stopped(Counter):
+        def step(self, step):
+            if step == 6:
+                os.kill(os.getpid(), signal.SIGTERM)  # what `raylane stop` / `ray job stop` send
+            return super().step(step)
+
+    w = Stopped()
+    before = signal.getsignal(signal.SIGTERM)
+    d, summary = drive(tmp_path, w, max_steps=20, checkpoint_every_steps=0)
+    assert d.state is State.STOPPED and summary["state"] == "stopped" and summary["error"] is None
+    assert summary["steps"] == 7 and w.applied == list(range(7))  # the step under way completed
+    assert CheckpointStore(str(tmp_path / "r" / "checkpoints")).latest().step == 7
+    assert signal.getsignal(signal.SIGTERM) == before  # the driver's handler is gone with the run
+    w2 = Counter()
+    d2, summary2 = drive(tmp_path, w2, max_steps=20)
+    assert summary2["resumed_from"] == 7 and math.isclose(w2.x, reference(20))
