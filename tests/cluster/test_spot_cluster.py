@@ -177,25 +177,38 @@ def test_driver_finishes_through_spot_preemptions_with_exact_result(spot_cluster
     steps_seen: list[int] = []
     original_step = workload.step
 
-    node_back = threading.Event()
+    # The run is held at three steps until the market has done its part, so every event is
+    # seen between the steps it is meant to fall between, however fast or slow the steps are.
+    drained, slow_gone, node_back = threading.Event(), threading.Event(), threading.Event()
 
     def step(i):
         steps_seen.append(i)
-        if i == 58:  # hold the run until capacity is back, so the regrowth is observed
+        if i == 12:  # the notice is out: the driver sees it after this step, inside the notice
+            assert drained.wait(timeout=60)
+        if i == 40:  # spot-slow is gone and Ray knows it: its workers die during this step
+            assert slow_gone.wait(timeout=90)
+        if i == 58:  # capacity is back, so the regrowth is observed
             assert node_back.wait(timeout=90)
         return original_step(i)
 
     workload.step = step
 
     def chaos():
-        while len(steps_seen) < 10:
+        while len(steps_seen) < 12:
             time.sleep(0.05)
-        # with notice: long enough that the driver polls at a step boundary inside it even on a loaded CI machine
-        spot_cluster.preempt(by_name(spot_cluster, "spot-fast"), notice_s=5.0)
-        while len(steps_seen) < 40:
+        fast = by_name(spot_cluster, "spot-fast")
+        notice = threading.Thread(target=spot_cluster.preempt, args=(fast,), kwargs={"notice_s": 5.0}, daemon=True)  # with notice
+        notice.start()
+        deadline = time.time() + 30
+        while time.time() < deadline and not ClusterView.from_ray().node(fast.node_id).draining:
+            time.sleep(0.05)
+        drained.set()
+        notice.join(timeout=60)
+        while len(steps_seen) < 41:
             time.sleep(0.05)
         spot_cluster.remove(by_name(spot_cluster, "spot-slow"))  # without notice
-        while len(steps_seen) < 55:
+        slow_gone.set()
+        while len(steps_seen) < 59:
             time.sleep(0.05)
         spot_cluster.add_node("spot", speed=2.0, cpus=2, name="spot-fast")  # capacity comes back
         node_back.set()
