@@ -1,0 +1,395 @@
+"""Parameter shards: one slice of the dense parameters and of every embedding table, with
+the optimizer that updates them, behind pull and push.
+
+Where it lives: a stateful role (on-demand nodes first). What is copied into it: its
+:class:`ShardConfig` slice, then the initial values of its dense ranges
+(:meth:`ShardCore.init_dense`) or, on a restore, its checkpointed state
+(:meth:`ShardCore.import_state`). Embedding rows are created on first touch from
+:func:`raylane.actors.ps_layout.init_rows`, so they start the same on any shard.
+
+Consistency (``mode``):
+
+* ``sync``: the update of clock ``c`` is applied once every worker's push for ``c`` has
+  arrived (gradients averaged over workers), clocks in order; a pull for clock ``c``
+  waits until clocks ``< c`` are applied: bulk-synchronous SGD.
+* ``async``: a push is applied on arrival; a pull never waits.
+* ``ssp``: applied on arrival, but a pull for clock ``c`` waits while ``c`` is more than
+  ``staleness`` clocks ahead of the slowest worker (stale synchronous parallel).
+
+A push is applied once per (worker, clock), however often it arrives: Ray retries actor
+calls at least once, and a recovered job replays the clocks since its checkpoint, which
+the surviving shards have already applied. Every served pull is logged with the slowest
+worker's clock at that moment, so the staleness bound can be checked afterwards.
+
+What a failure means: a lost shard takes the updates to its slice since its last
+checkpoint with it; the replacement restores that checkpoint, the others keep their
+state, and the replayed clocks bring the restored slice forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import ray
+
+from raylane.actors.ps_layout import check_ids, init_rows
+
+MODES = ("sync", "async", "ssp")
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """One shard's slice of the job's config."""
+
+    index: int
+    """This shard's number, 0 .. shards-1."""
+    shards: int
+    """Shards in the job."""
+    workers: int
+    """Workers pushing to it (sync waits for all of them)."""
+    dense: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Its flat range of each dense tensor: name -> (start, stop)."""
+    tables: Mapping[str, int] = field(default_factory=dict)
+    """Embedding tables: name -> row width."""
+    mode: str = "sync"
+    """sync, async or ssp."""
+    staleness: int = 0
+    """ssp: how many clocks a worker may run ahead of the slowest."""
+    optimizer: str = "adagrad"
+    """sgd, adagrad or adam (per-row state and step count for embedding rows)."""
+    lr: float = 0.05
+    """Learning rate."""
+    init_scale: float = 0.05
+    """Embedding rows start uniform in [-init_scale, init_scale)."""
+    seed: int = 0
+    """Seed of the embedding rows' initial values."""
+    wait_timeout_s: float = 60.0
+    """Longest a pull waits for other workers' clocks before it fails."""
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+
+def check_config(c: ShardConfig) -> None:
+    if c.mode not in MODES:
+        raise ValueError(f"mode {c.mode!r} is not one of {', '.join(MODES)}")
+    if c.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {c.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    if isinstance(c.staleness, bool) or not isinstance(c.staleness, int) or c.staleness < 0:
+        raise ValueError(f"staleness must be a whole number >= 0, got {c.staleness!r}")
+    if c.workers < 1 or c.shards < 1 or not 0 <= c.index < c.shards:
+        raise ValueError(f"shard {c.index} of {c.shards} with {c.workers} workers: need workers >= 1 and 0 <= index < shards")
+    for name, dim in c.tables.items():
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"table {name!r}: embedding dim must be a whole number >= 1, got {dim!r}")
+    if not c.lr > 0:
+        raise ValueError(f"lr must be > 0, got {c.lr}")
+
+
+class _Opt:
+    """The update rules, the same as torch's SGD, Adagrad and Adam (eps, bias
+    correction), on float32 numpy arrays; state arrays are kept beside the values."""
+
+    ADAGRAD_EPS, BETAS, ADAM_EPS = 1e-10, (0.9, 0.999), 1e-8
+
+    def __init__(self, name: str, lr: float):
+        self.name, self.lr = name, np.float32(lr)
+
+    def slots(self) -> tuple[str, ...]:
+        return {"sgd": (), "adagrad": ("acc",), "adam": ("m", "v")}[self.name]
+
+    def update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray | int) -> None:
+        """In place on ``value`` (and ``state``); ``step`` is the update's number (from 1),
+        per row for embedding rows."""
+        if self.name == "sgd":
+            value -= self.lr * grad
+        elif self.name == "adagrad":
+            acc = state["acc"]
+            acc += grad * grad
+            value -= self.lr * grad / (np.sqrt(acc) + np.float32(self.ADAGRAD_EPS))
+        else:
+            b1, b2 = self.BETAS
+            m, v = state["m"], state["v"]
+            m *= np.float32(b1)
+            m += np.float32(1 - b1) * grad
+            v *= np.float32(b2)
+            v += np.float32(1 - b2) * grad * grad
+            t = np.asarray(step, dtype=np.float64)
+            if t.ndim:
+                t = t[:, None]
+            bc1 = (1 - b1 ** t).astype(np.float32)
+            bc2 = np.sqrt(1 - b2 ** t).astype(np.float32)
+            value -= (self.lr / bc1) * m / (np.sqrt(v) / bc2 + np.float32(self.ADAM_EPS))
+
+
+class _Table:
+    """The rows of one embedding table held by one shard: id -> position in growable arrays."""
+
+    def __init__(self, name: str, dim: int, slots: tuple[str, ...]):
+        self.name, self.dim = name, dim
+        self.pos: dict[int, int] = {}
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.values = np.zeros((0, dim), dtype=np.float32)
+        self.state = {s: np.zeros((0, dim), dtype=np.float32) for s in slots}
+        self.steps = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+    def _grow(self, need: int) -> None:
+        cap = len(self.values)
+        if need <= cap:
+            return
+        new = max(need, 2 * cap, 64)
+        pad = new - cap
+        self.values = np.concatenate([self.values, np.zeros((pad, self.dim), np.float32)])
+        self.ids = np.concatenate([self.ids, np.zeros(pad, np.int64)])
+        self.steps = np.concatenate([self.steps, np.zeros(pad, np.int64)])
+        self.state = {k: np.concatenate([v, np.zeros((pad, self.dim), np.float32)]) for k, v in self.state.items()}
+
+    def positions(self, ids: np.ndarray, seed: int, scale: float, create: bool) -> np.ndarray:
+        """Positions of ``ids``; missing rows are created (``create``) or -1."""
+        pos = np.fromiter((self.pos.get(int(i), -1) for i in ids), dtype=np.int64, count=len(ids))
+        if create:
+            missing = np.unique(ids[pos < 0])
+            if len(missing):
+                start = len(self.pos)
+                self._grow(start + len(missing))
+                self.values[start:start + len(missing)] = init_rows(seed, self.name, missing, self.dim, scale)
+                self.ids[start:start + len(missing)] = missing
+                for k, i in enumerate(missing.tolist()):
+                    self.pos[i] = start + k
+                pos = np.fromiter((self.pos[int(i)] for i in ids), dtype=np.int64, count=len(ids))
+        return pos
+
+    def export(self) -> dict[str, Any]:
+        n = len(self.pos)
+        return {"ids": self.ids[:n].copy(), "values": self.values[:n].copy(), "steps": self.steps[:n].copy(), **{f"state_{k}": v[:n].copy() for k, v in self.state.items()}}
+
+    def load(self, saved: Mapping[str, Any]) -> None:
+        ids = np.asarray(saved["ids"], dtype=np.int64)
+        n = len(ids)
+        self.pos = {int(i): k for k, i in enumerate(ids.tolist())}
+        self.ids, self.values, self.steps = ids.copy(), np.asarray(saved["values"], np.float32).reshape(n, self.dim).copy(), np.asarray(saved["steps"], np.int64).copy()
+        self.state = {k: np.asarray(saved[f"state_{k}"], np.float32).reshape(n, self.dim).copy() for k in self.state}
+
+
+class ShardCore:
+    """A shard without Ray: state, updates, clocks. :class:`ParamShard` adds the waits."""
+
+    def __init__(self, config: ShardConfig):
+        self.config = config
+        self.opt = _Opt(config.optimizer, config.lr)
+        self.dense: dict[str, np.ndarray] = {n: np.zeros(b - a, np.float32) for n, (a, b) in config.dense.items()}
+        self.dense_state = {n: {s: np.zeros(b - a, np.float32) for s in self.opt.slots()} for n, (a, b) in config.dense.items()}
+        self.dense_steps = 0
+        self.tables = {n: _Table(n, d, self.opt.slots()) for n, d in config.tables.items()}
+        self.applied: dict[int, set[int]] = {w: set() for w in range(config.workers)}  # worker -> clocks applied (async, ssp)
+        self.next_clock = 0  # sync: clocks < next_clock are applied
+        self.pending: dict[int, dict[int, tuple]] = {}  # sync: clock -> worker -> push
+        self.log: list[tuple[int, int, int]] = []  # served pulls: (worker, clock, slowest worker's clock)
+        self.duplicates = 0
+        self.updates = 0
+
+    # ------------------------------------------------------------ clocks
+
+    def worker_clock(self, w: int) -> int:
+        """Clocks worker ``w`` has completed here."""
+        if self.config.mode == "sync":
+            return self.next_clock + (1 if w in self.pending.get(self.next_clock, {}) else 0)
+        done = self.applied[w]
+        return (max(done) + 1) if done else 0
+
+    def slowest(self) -> int:
+        return min(self.worker_clock(w) for w in range(self.config.workers))
+
+    def may_serve(self, clock: int) -> bool:
+        c = self.config
+        if c.mode == "async":
+            return True
+        if c.mode == "sync":
+            return self.next_clock >= clock
+        return clock - self.slowest() <= c.staleness
+
+    # ------------------------------------------------------------ pull and push
+
+    def init_dense(self, values: Mapping[str, np.ndarray]) -> None:
+        """This shard's ranges of the initial dense tensors (``values[name]`` is the slice)."""
+        for n, (a, b) in self.config.dense.items():
+            v = np.asarray(values[n], dtype=np.float32).reshape(-1)
+            if len(v) != b - a:
+                raise ValueError(f"dense {n!r}: shard {self.config.index} holds {b - a} values, got {len(v)}")
+            self.dense[n] = v.copy()
+
+    def read(self, ids: Mapping[str, Any], *, create: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The dense ranges and the rows ``ids[table]`` (in that order; rows never touched
+        come back at their initial values, stored only with ``create``)."""
+        c = self.config
+        rows = {}
+        for table, raw in ids.items():
+            if table not in self.tables:
+                raise KeyError(f"no embedding table {table!r} on shard {c.index}; tables: {sorted(self.tables)}")
+            arr = check_ids(table, raw)
+            t = self.tables[table]
+            pos = t.positions(arr, c.seed, c.init_scale, create)
+            out = np.empty((len(arr), t.dim), np.float32)
+            known = pos >= 0
+            out[known] = t.values[pos[known]]
+            if not known.all():
+                out[~known] = init_rows(c.seed, table, arr[~known], t.dim, c.init_scale)
+            rows[table] = out
+        return {n: v.copy() for n, v in self.dense.items()}, rows
+
+    def pull(self, worker: int, clock: int, ids: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        self.log.append((int(worker), int(clock), self.slowest()))
+        return self.read(ids, create=True)
+
+    def push(self, worker: int, clock: int, dense: Mapping[str, np.ndarray], sparse: Mapping[str, tuple[Any, np.ndarray]]) -> bool:
+        """Apply (or, in sync mode, hold until the clock is complete) worker ``worker``'s
+        gradients for ``clock``. False when this (worker, clock) was seen before."""
+        c = self.config
+        if not 0 <= worker < c.workers:
+            raise ValueError(f"worker {worker} is outside 0..{c.workers - 1}")
+        for table, (ids, _) in sparse.items():
+            check_ids(table, ids)
+        if c.mode == "sync":
+            if clock < self.next_clock or worker in self.pending.get(clock, {}):
+                self.duplicates += 1
+                return False
+            self.pending.setdefault(clock, {})[worker] = (dense, sparse)
+            while len(self.pending.get(self.next_clock, {})) == c.workers:
+                pushes = self.pending.pop(self.next_clock)
+                self._apply_mean(list(pushes.values()))
+                self.next_clock += 1
+            return True
+        if clock in self.applied[worker]:
+            self.duplicates += 1
+            return False
+        self._apply_mean([(dense, sparse)])
+        self.applied[worker].add(clock)
+        return True
+
+    def _apply_mean(self, pushes: list[tuple]) -> None:
+        n = np.float32(len(pushes))
+        self.dense_steps += 1
+        for name, value in self.dense.items():
+            if not len(value):
+                continue
+            grad = sum(np.asarray(p[0][name], np.float32).reshape(-1) for p in pushes) / n
+            self.opt.update(value, grad, self.dense_state[name], self.dense_steps)
+        for table, t in self.tables.items():
+            parts = [p[1][table] for p in pushes if table in p[1]]
+            if not parts:
+                continue
+            ids = np.concatenate([check_ids(table, i) for i, _ in parts])
+            grads = np.concatenate([np.asarray(g, np.float32).reshape(-1, t.dim) for _, g in parts])
+            uniq, inv = np.unique(ids, return_inverse=True)
+            total = np.zeros((len(uniq), t.dim), np.float32)
+            np.add.at(total, inv, grads)
+            total /= n
+            pos = t.positions(uniq, self.config.seed, self.config.init_scale, True)
+            t.steps[pos] += 1
+            vals = t.values[pos]
+            state = {k: v[pos] for k, v in t.state.items()}
+            self.opt.update(vals, total, state, t.steps[pos])
+            t.values[pos] = vals
+            for k, v in state.items():
+                t.state[k][pos] = v
+        self.updates += 1
+
+    # ------------------------------------------------------------ state
+
+    def export_state(self) -> dict[str, Any]:
+        """Everything a replacement needs, as arrays and plain data (no code on load)."""
+        return {
+            "dense": {n: v.copy() for n, v in self.dense.items()},
+            "dense_state": {n: {k: v.copy() for k, v in s.items()} for n, s in self.dense_state.items()},
+            "dense_steps": self.dense_steps,
+            "tables": {n: t.export() for n, t in self.tables.items()},
+            "applied": {str(w): sorted(done) for w, done in self.applied.items()},
+            "next_clock": self.next_clock,
+        }
+
+    def import_state(self, state: Mapping[str, Any]) -> None:
+        for n in self.dense:
+            self.dense[n] = np.asarray(state["dense"][n], np.float32).copy()
+            self.dense_state[n] = {k: np.asarray(v, np.float32).copy() for k, v in state["dense_state"][n].items()}
+        self.dense_steps = int(state["dense_steps"])
+        for n, t in self.tables.items():
+            t.load(state["tables"][n])
+        self.applied = {w: {int(x) for x in state["applied"].get(str(w), [])} for w in range(self.config.workers)}
+        self.next_clock = int(state["next_clock"])
+        self.pending = {}
+
+    def stats(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "rows": {n: len(t) for n, t in self.tables.items()}, "updates": self.updates,
+                "duplicates": self.duplicates, "next_clock": self.next_clock, "slowest": self.slowest()}
+
+
+@ray.remote
+class ParamShard:
+    """The shard as an async actor: a pull that must wait for other workers' clocks waits
+    without blocking the pushes that will let it go on."""
+
+    def __init__(self) -> None:
+        self.core: ShardCore | None = None  # set by setup(): a pool starts shards before it knows their numbers
+        self._cond: asyncio.Condition | None = None
+
+    async def setup(self, config: ShardConfig) -> dict[str, Any]:
+        """Become shard ``config.index`` (fresh: no rows, dense zeros until init_dense or import_state)."""
+        self.core = ShardCore(config)
+        return await self.where()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:  # made in the actor's event loop
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def where(self) -> dict[str, Any]:
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    async def init_dense(self, values: Mapping[str, np.ndarray]) -> None:
+        self.core.init_dense(values)
+
+    async def pull(self, worker: int, clock: int, ids: Mapping[str, Any]) -> tuple[dict, dict]:
+        cond = self._condition()
+        timeout = self.core.config.wait_timeout_s
+        t0 = time.monotonic()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self.core.may_serve(clock)), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"shard {self.core.config.index}: worker {worker}'s pull for clock {clock} waited {time.monotonic() - t0:.0f} s; "
+                                   f"the slowest worker is at clock {self.core.slowest()} (mode {self.core.config.mode}, staleness {self.core.config.staleness}): a worker lost?") from None
+            return self.core.pull(worker, clock, ids)
+
+    async def read(self, ids: Mapping[str, Any]) -> tuple[dict, dict]:
+        return self.core.read(ids, create=False)
+
+    async def push(self, worker: int, clock: int, dense: Mapping[str, np.ndarray], sparse: Mapping[str, tuple[Any, np.ndarray]]) -> bool:
+        cond = self._condition()
+        async with cond:
+            fresh = self.core.push(worker, clock, dense, sparse)
+            cond.notify_all()
+            return fresh
+
+    async def export_state(self) -> dict[str, Any]:
+        return self.core.export_state()
+
+    async def import_state(self, state: Mapping[str, Any]) -> None:
+        cond = self._condition()
+        async with cond:
+            self.core.import_state(state)
+            cond.notify_all()
+
+    async def clock_log(self) -> list[tuple[int, int, int]]:
+        return list(self.core.log)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.core.stats()

@@ -1,0 +1,326 @@
+"""``raylane run ps_ctr``: a click-through-rate model trained on parameter shards.
+
+Shards (stateful, on-demand) hold the MLP's tensors as flat ranges and the embedding
+rows of every field hashed over them, created on first touch, with the optimizer's
+state beside them. Workers (stateless, spot) each read their own rows of generated
+click data and loop pull -> forward/backward -> push, one clock per batch, in the chosen
+consistency mode (sync, async, ssp with a staleness bound). One driver step is
+``clocks_per_step`` clocks of every worker; after it the driver measures the held-out AUC
+and, every N steps, checkpoints every shard's slice.
+
+A lost shard is replaced and only that shard is restored from the checkpoint; the others
+keep their state. The clocks since the checkpoint run again: the surviving shards have
+applied them already and ignore them (a (worker, clock) is applied once), the restored
+shard applies them, so its slice catches up on the same batches. A lost worker is
+replaced and reads the same rows.
+
+    raylane run ps_ctr
+    raylane run ps_ctr --set mode=ssp --set staleness=2 --set shards=4 --set optimizer=adam
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from raylane import config as cfg
+from raylane.actors import ctr
+from raylane.actors.param_shard import MODES, OPTIMIZERS, ParamShard, ShardConfig
+from raylane.actors.ps_layout import dense_slices, row_shard
+from raylane.actors.ps_worker import PSWorker, WorkerConfig
+from raylane.driver import Context, DriverConfig
+from raylane.launch import job_main
+from raylane.placement import RoleSpec, split_by_speed
+from raylane.pool import LOST, ActorPool, CallTimeoutError, PoolError, WorkError
+from raylane.registry import JobSpec
+
+log = logging.getLogger(__name__)
+
+SHARDS, WORKERS = "param_shard", "ps_worker"
+
+
+@dataclass
+class PSCTRConfig:
+    """Click-through-rate training on a sharded parameter server."""
+
+    rows: int = cfg.field(200_000, ge=1)
+    """Training rows of generated click data (split over the workers)."""
+    eval_rows: int = cfg.field(20_000, ge=100)
+    """Held-out rows (after the training rows) for the AUC."""
+    fields: int = cfg.field(8, ge=1)
+    """Categorical fields (one embedding table each)."""
+    ids_per_field: int = cfg.field(2, ge=1)
+    """Hashed ids per field per row (an embedding bag, averaged)."""
+    buckets: int = cfg.field(10_000, ge=1)
+    """Hash buckets per field."""
+    dense_features: int = cfg.field(8, ge=0)
+    """Numeric features per row."""
+    embedding_dim: int = cfg.field(8, ge=1)
+    """Width of an embedding row."""
+    hidden: int = cfg.field(32, ge=1)
+    """Units in the MLP's hidden layer."""
+    shards: int = cfg.field(2, ge=1)
+    """Parameter shards."""
+    workers: int = cfg.field(2, ge=1)
+    """Workers."""
+    mode: str = cfg.field("sync", choices=MODES)
+    """sync (every worker's gradient for a clock, averaged, then the next clock), async (applied on arrival) or ssp (async, but no worker more than `staleness` clocks ahead of the slowest)."""
+    staleness: int = cfg.field(2, ge=0)
+    """ssp: clocks a worker may run ahead of the slowest."""
+    optimizer: str = cfg.field("adagrad", choices=OPTIMIZERS)
+    """Optimizer on the shards (per-row state for embedding rows; adam's step count is per row)."""
+    lr: float = cfg.field(0.05, gt=0)
+    """Learning rate."""
+    batch_size: int = cfg.field(512, ge=1)
+    """Rows per worker per clock."""
+    clocks_per_step: int = cfg.field(20, ge=1)
+    """Clocks every worker runs per driver step (checkpoints and the AUC come between steps)."""
+    init_scale: float = cfg.field(0.05, gt=0)
+    """Embedding rows start uniform in [-init_scale, init_scale)."""
+    seed: int = 0
+    """Seed of the data, the initial weights and the batch order."""
+    target_auc: float = cfg.field(0.0, ge=0, le=1)
+    """Stop once the held-out AUC reaches this (0: run all steps)."""
+    shard_cpus: float = cfg.field(0.5, gt=0)
+    """CPUs each shard reserves."""
+    worker_cpus: float = cfg.field(0.5, gt=0)
+    """CPUs each worker reserves."""
+    wait_timeout_s: float = cfg.field(30.0, gt=0)
+    """Longest a pull waits for other workers' clocks (a lost worker shows up as this)."""
+    step_timeout_s: float = cfg.field(300.0, gt=0)
+    """Longest one step may take."""
+    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=15, checkpoint_every_steps=5))
+    """Run name, stop rules, checkpoints."""
+
+    def validate(self) -> None:
+        if self.workers > self.rows:
+            raise ValueError(f"workers ({self.workers}) must not exceed rows ({self.rows}): every worker needs rows")
+        if self.mode != "ssp" and self.staleness != PSCTRConfig.staleness:
+            log.info("staleness=%s only applies to mode=ssp (mode is %s)", self.staleness, self.mode)
+
+    def shape(self) -> ctr.CTRShape:
+        return ctr.CTRShape(self.fields, self.ids_per_field, self.buckets, self.dense_features, self.embedding_dim, self.hidden)
+
+
+class StepFailed(PoolError):
+    """A step's worker calls failed; recoverable when an actor was lost or a wait timed out."""
+
+
+class PSCTRWorkload:
+    name = "ps_ctr"
+    main_metric = "auc"
+    guarded_metrics = ("loss",)
+    progress_metrics = ("auc", "loss")
+
+    def __init__(self, config: PSCTRConfig):
+        cfg.validate(config)
+        self.config = config
+        self.shape = config.shape()
+        self.shape.check()
+        self.sizes = {n: int(np.prod(s)) for n, s in ctr.dense_shapes(self.shape).items()}
+        self.slices = dense_slices(self.sizes, config.shards)
+        self.eval = ctr.rows(self.shape, config.seed, config.rows, config.rows + config.eval_rows)
+        self.shard_pool: ActorPool | None = None
+        self.worker_pool: ActorPool | None = None
+        self.ctx: Context | None = None
+        self.shards: dict[int, Any] = {}  # shard number -> actor
+        self.workers: dict[int, Any] = {}  # worker number -> actor
+        self.fresh: set[int] = set()  # shards holding no trained state (to restore on a load)
+        self.stuck: list[Any] = []  # workers whose call of a failed step may still run
+        self.auc = 0.5
+
+    # ------------------------------------------------------------ roles and actors
+
+    def roles(self) -> list[RoleSpec]:
+        c = self.config
+        return [RoleSpec(SHARDS, {"CPU": c.shard_cpus}, count=c.shards, stateful=True),
+                RoleSpec(WORKERS, {"CPU": c.worker_cpus}, count=c.workers)]
+
+    def shard_config(self, i: int) -> ShardConfig:
+        c = self.config
+        tables = {ctr.table_name(f): c.embedding_dim for f in range(c.fields)}
+        return ShardConfig(i, c.shards, c.workers, dict(self.slices[i]), tables, c.mode, c.staleness, c.optimizer, c.lr, c.init_scale, c.seed, c.wait_timeout_s)
+
+    def worker_config(self, w: int, rows: tuple[int, int]) -> WorkerConfig:
+        c = self.config
+        return WorkerConfig(w, self.shape, rows, c.shards, c.batch_size, c.seed, c.seed, c.step_timeout_s)
+
+    def setup(self, ctx: Context) -> None:
+        c = self.config
+        self.ctx = ctx
+        roles = {r.name: r for r in self.roles()}
+        self.shard_pool = ActorPool(roles[SHARDS], ParamShard, size=c.shards, start_timeout_s=c.step_timeout_s)
+        self.worker_pool = ActorPool(roles[WORKERS], PSWorker, size=c.workers, start_timeout_s=c.step_timeout_s)
+        self.shard_pool.wait_ready(timeout_s=c.step_timeout_s)
+        self.worker_pool.wait_ready(timeout_s=c.step_timeout_s)
+        self._ensure_actors()
+        init = ctr.init_dense(self.shape, c.seed)
+        flat = {n: v.reshape(-1) for n, v in init.items()}
+        ray.get([self.shards[i].init_dense.remote({n: flat[n][a:b] for n, (a, b) in self.slices[i].items()}) for i in range(c.shards)], timeout=c.step_timeout_s)
+
+    def _ensure_actors(self) -> None:
+        """Every shard and worker number on a live actor; new shards are fresh (restored on
+        the load that follows a recovery), survivors keep their state."""
+        assert self.shard_pool is not None and self.worker_pool is not None and self.ctx is not None
+        c = self.config
+        for pool in (self.shard_pool, self.worker_pool):
+            pool.call_all("where", timeout_s=c.step_timeout_s)  # evicts the dead; the pool starts replacements
+            pool.wait_ready(timeout_s=c.step_timeout_s)
+        live_s, live_w = self.shard_pool.actors(), self.worker_pool.actors()
+        kept = {i: h for i, h in self.shards.items() if h in live_s}
+        free = [h for h in live_s if h not in kept.values()]
+        new = dict(zip([i for i in range(c.shards) if i not in kept], free))
+        if new:
+            ray.get([h.setup.remote(self.shard_config(i)) for i, h in new.items()], timeout=c.step_timeout_s)
+            self.fresh |= set(new)
+        self.shards = {**kept, **new}
+        kept_w = {w: h for w, h in self.workers.items() if h in live_w}
+        free_w = [h for h in live_w if h not in kept_w.values()]
+        new_w = dict(zip([w for w in range(c.workers) if w not in kept_w], free_w))
+        if new_w:
+            bounds = np.cumsum([0] + split_by_speed(c.rows, [1.0] * c.workers)).tolist()
+            ray.get([h.setup.remote(self.worker_config(w, (bounds[w], bounds[w + 1]))) for w, h in new_w.items()], timeout=c.step_timeout_s)
+        self.workers = {**kept_w, **new_w}
+        handles = [self.shards[i] for i in range(c.shards)]
+        ray.get([h.connect.remote(handles) for h in self.workers.values()], timeout=c.step_timeout_s)
+        if new or new_w:
+            self.ctx.log.event("ps_actors", new_shards=sorted(new), new_workers=sorted(new_w))
+
+    # ------------------------------------------------------------ steps
+
+    def step(self, step: int) -> dict[str, Any]:
+        c = self.config
+        first, last = step * c.clocks_per_step, (step + 1) * c.clocks_per_step
+        t0 = time.perf_counter()
+        calls = {w: h.run.remote(first, last) for w, h in self.workers.items()}
+        results = self._gather(calls)
+        seconds = time.perf_counter() - t0
+        self.fresh.clear()
+        losses = [x for r in results.values() for x in r["losses"]]
+        self.auc = self.evaluate()
+        return {"loss": float(np.mean(losses)), "auc": self.auc, "clock": last, "updates_per_s": len(losses) / seconds,
+                "pull_wait_s": float(np.mean([r["pull_wait_s"] for r in results.values()])), "step_s": seconds}
+
+    def _gather(self, calls: dict[int, Any]) -> dict[int, Any]:
+        """Every worker's result; on the first failure, the rest get a few seconds, then the
+        error: a lost actor or a timed-out wait is recoverable (the unfinished workers are
+        replaced on recovery), any other error is a bug."""
+        c = self.config
+        pending = {ref: w for w, ref in calls.items()}
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        deadline = time.monotonic() + c.step_timeout_s
+        failed_at: float | None = None
+        while pending:
+            limit = deadline if failed_at is None else min(deadline, failed_at + 2.0)
+            if time.monotonic() >= limit:
+                break
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.01, min(1.0, limit - time.monotonic())))
+            for ref in done:
+                w = pending.pop(ref)
+                try:
+                    results[w] = ray.get(ref, timeout=10)
+                except Exception as exc:  # noqa: BLE001 - judged below
+                    errors[w] = exc
+                    failed_at = failed_at or time.monotonic()
+        if not errors and not pending:
+            return results
+        self.stuck = [self.workers[w] for w in pending.values()]
+        lost = [e for e in errors.values() if isinstance(e, LOST) or isinstance(getattr(e, "cause", None), (TimeoutError,) + LOST)]
+        if pending and not errors:
+            err: PoolError = CallTimeoutError(f"workers {sorted(pending.values())} did not finish their clocks within {c.step_timeout_s:g} s")
+        elif lost or any(isinstance(e, TimeoutError) for e in errors.values()):
+            err = StepFailed("; ".join(f"worker {w}: {type(e).__name__}: {str(e).splitlines()[0][:200]}" for w, e in sorted(errors.items())))
+        else:
+            grouped: dict[str, list[str]] = {}
+            for w, e in errors.items():
+                cause = getattr(e, "cause", e)
+                grouped.setdefault(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}", []).append(f"worker {w}")
+            err = WorkError("run", grouped)
+        err.role = WORKERS
+        raise err
+
+    def evaluate(self) -> float:
+        """The held-out AUC of the model as the shards hold it now."""
+        from sklearn.metrics import roc_auc_score
+
+        c = self.config
+        ids, numeric, labels = self.eval
+        uniq, inv = ctr.unique_ids(ids)
+        per_shard: list[dict[str, Any]] = [{} for _ in range(c.shards)]
+        where = []
+        for f, u in enumerate(uniq):
+            table = ctr.table_name(f)
+            owner = row_shard(table, u, c.shards)
+            where.append(owner)
+            for s in range(c.shards):
+                per_shard[s][table] = u[owner == s]
+        answers = ray.get([self.shards[s].read.remote(per_shard[s]) for s in range(c.shards)], timeout=c.step_timeout_s)
+        dense = {n: torch.from_numpy(np.concatenate([answers[s][0][n] for s in range(c.shards)]).reshape(shp)) for n, shp in ctr.dense_shapes(self.shape).items()}
+        tables = {}
+        for f, u in enumerate(uniq):
+            table = ctr.table_name(f)
+            full = np.empty((len(u), c.embedding_dim), np.float32)
+            for s in range(c.shards):
+                full[where[f] == s] = answers[s][1][table]
+            tables[table] = torch.from_numpy(full)
+        with torch.no_grad():
+            logits = ctr.forward(self.shape, dense, tables, inv, torch.from_numpy(numeric)).numpy()
+        return float(roc_auc_score(labels, logits))
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        c = self.config
+        states = ray.get([self.shards[i].export_state.remote() for i in range(c.shards)], timeout=c.step_timeout_s)
+        return {"shards": {str(i): s for i, s in enumerate(states)}, "auc": self.auc}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the shards that hold nothing trained (all of them on a resume; the
+        replacements after a loss); the others keep what they have."""
+        c = self.config
+        todo = sorted(self.fresh)
+        ray.get([self.shards[i].import_state.remote(state["shards"][str(i)]) for i in todo], timeout=c.step_timeout_s)
+        self.fresh.clear()
+        self.auc = float(state.get("auc", 0.5))
+        if self.ctx is not None and todo:
+            self.ctx.log.event("ps_restore", shards=todo)
+
+    def done(self, step: int, metrics: dict[str, Any]) -> bool:
+        return self.config.target_auc > 0 and metrics["auc"] >= self.config.target_auc
+
+    def pools(self) -> dict[str, ActorPool]:
+        out = {}
+        if self.shard_pool is not None:
+            out[SHARDS] = self.shard_pool
+        if self.worker_pool is not None:
+            out[WORKERS] = self.worker_pool
+        return out
+
+    def recover(self, ctx: Context, error: BaseException) -> None:
+        """Replace what was lost: workers still inside a failed step are killed (stateless:
+        their replacements read the same rows), dead shards are replaced and marked for
+        restore from the checkpoint the driver loads next."""
+        self.ctx = ctx
+        for h in self.stuck:
+            ray.kill(h, no_restart=True)
+        self.stuck = []
+        self._ensure_actors()
+
+    def close(self) -> None:
+        for pool in (self.worker_pool, self.shard_pool):
+            if pool is not None:
+                pool.shutdown()
+        self.worker_pool = self.shard_pool = None
+
+
+JOB = JobSpec("ps_ctr", "A click-through-rate model on a sharded parameter server: sync, async or bounded-staleness workers, sparse embedding rows, shard-level recovery.", PSCTRConfig, PSCTRWorkload)
+
+if __name__ == "__main__":
+    job_main(JOB)
