@@ -39,6 +39,8 @@ import ray
 from raylane.actors.ps_layout import check_ids, init_rows
 
 MODES = ("sync", "async", "ssp")
+LOG_LIMIT = 100_000  # served pulls kept for checking the staleness bound
+MAX_WORKERS = 64  # threads for waiting pulls per shard (ParamShard's "wait" group)
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 
 
@@ -84,6 +86,8 @@ def check_config(c: ShardConfig) -> None:
         raise ValueError(f"staleness must be a whole number >= 0, got {c.staleness!r}")
     if c.workers < 1 or c.shards < 1 or not 0 <= c.index < c.shards:
         raise ValueError(f"shard {c.index} of {c.shards} with {c.workers} workers: need workers >= 1 and 0 <= index < shards")
+    if c.workers > MAX_WORKERS:
+        raise ValueError(f"{c.workers} workers: a shard serves at most {MAX_WORKERS} (its waiting pulls each hold one of {MAX_WORKERS} threads)")
     for name, dim in c.tables.items():
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"table {name!r}: embedding dim must be a whole number >= 1, got {dim!r}")
@@ -190,7 +194,10 @@ class ShardCore:
         self.dense_state = {n: {s: np.zeros(b - a, np.float32) for s in self.opt.slots()} for n, (a, b) in config.dense.items()}
         self.dense_steps = 0
         self.tables = {n: _Table(n, d, self.opt.slots()) for n, d in config.tables.items()}
-        self.applied: dict[int, set[int]] = {w: set() for w in range(config.workers)}  # worker -> clocks applied (async, ssp)
+        # async, ssp: per worker, every clock below done[w] is applied, plus those in above[w]
+        # (workers push in order, so `above` stays small; a record per clock would grow forever)
+        self.done: dict[int, int] = {w: 0 for w in range(config.workers)}
+        self.above: dict[int, set[int]] = {w: set() for w in range(config.workers)}
         self.next_clock = 0  # sync: clocks < next_clock are applied
         self.pending: dict[int, dict[int, tuple]] = {}  # sync: clock -> worker -> push
         self.log: list[tuple[int, int, int]] = []  # served pulls: (worker, clock, slowest worker's clock)
@@ -203,8 +210,7 @@ class ShardCore:
         """Clocks worker ``w`` has completed here."""
         if self.config.mode == "sync":
             return self.next_clock + (1 if w in self.pending.get(self.next_clock, {}) else 0)
-        done = self.applied[w]
-        return (max(done) + 1) if done else 0
+        return max(self.above[w]) + 1 if self.above[w] else self.done[w]
 
     def slowest(self) -> int:
         return min(self.worker_clock(w) for w in range(self.config.workers))
@@ -247,6 +253,8 @@ class ShardCore:
         return {n: v.copy() for n, v in self.dense.items()}, rows
 
     def pull(self, worker: int, clock: int, ids: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        if len(self.log) >= LOG_LIMIT:  # the newest entries are the ones worth checking
+            del self.log[: LOG_LIMIT // 2]
         self.log.append((int(worker), int(clock), self.slowest()))
         return self.read(ids, create=True)
 
@@ -256,8 +264,7 @@ class ShardCore:
         c = self.config
         if not 0 <= worker < c.workers:
             raise ValueError(f"worker {worker} is outside 0..{c.workers - 1}")
-        for table, (ids, _) in sparse.items():
-            check_ids(table, ids)
+        self._check_push(worker, clock, dense, sparse)
         if c.mode == "sync":
             if clock < self.next_clock or worker in self.pending.get(clock, {}):
                 self.duplicates += 1
@@ -268,12 +275,33 @@ class ShardCore:
                 self._apply_mean(list(pushes.values()))
                 self.next_clock += 1
             return True
-        if clock in self.applied[worker]:
+        if clock < self.done[worker] or clock in self.above[worker]:
             self.duplicates += 1
             return False
         self._apply_mean([(dense, sparse)])
-        self.applied[worker].add(clock)
+        self.above[worker].add(clock)
+        while self.done[worker] in self.above[worker]:
+            self.above[worker].discard(self.done[worker])
+            self.done[worker] += 1
         return True
+
+    def _check_push(self, worker: int, clock: int, dense: Mapping[str, Any], sparse: Mapping[str, tuple[Any, Any]]) -> None:
+        """Refuse a malformed push before anything changes (a half-applied update, or a sync
+        clock holding a push that cannot be applied, would be worse than the error)."""
+        where = f"shard {self.config.index}: push of worker {worker} for clock {clock}"
+        for name, value in self.dense.items():
+            if name not in dense:
+                raise ValueError(f"{where} has no gradient for dense {name!r}; expected {sorted(self.dense)}")
+            got = np.asarray(dense[name]).size
+            if got != len(value):
+                raise ValueError(f"{where}: dense {name!r} gradient has {got} values, this shard holds {len(value)}")
+        for table, (ids, grads) in sparse.items():
+            if table not in self.tables:
+                raise ValueError(f"{where}: no embedding table {table!r}; tables: {sorted(self.tables)}")
+            arr = check_ids(table, ids)
+            g = np.asarray(grads)
+            if g.shape != (len(arr), self.tables[table].dim):
+                raise ValueError(f"{where}: table {table!r} gradients are {g.shape}, expected ({len(arr)}, {self.tables[table].dim}) for {len(arr)} ids")
 
     def _apply_mean(self, pushes: list[tuple]) -> None:
         n = np.float32(len(pushes))
@@ -319,7 +347,8 @@ class ShardCore:
             "dense_state": {n: {k: v.copy() for k, v in s.items()} for n, s in self.dense_state.items()},
             "dense_steps": self.dense_steps,
             "tables": {n: t.export() for n, t in self.tables.items()},
-            "applied": {str(w): sorted(done) for w, done in self.applied.items()},
+            "done": {str(w): d for w, d in self.done.items()},
+            "above": {str(w): sorted(a) for w, a in self.above.items()},
             "next_clock": self.next_clock,
         }
 
@@ -330,7 +359,8 @@ class ShardCore:
         self.dense_steps = int(state["dense_steps"])
         for n, t in self.tables.items():
             t.load(state["tables"][n])
-        self.applied = {w: {int(x) for x in state["applied"].get(str(w), [])} for w in range(self.config.workers)}
+        self.done = {w: int(state["done"].get(str(w), 0)) for w in range(self.config.workers)}
+        self.above = {w: {int(x) for x in state["above"].get(str(w), [])} for w in range(self.config.workers)}
         self.next_clock = int(state["next_clock"])
         self.pending = {}
 
@@ -339,7 +369,7 @@ class ShardCore:
                 "duplicates": self.duplicates, "next_clock": self.next_clock, "slowest": self.slowest()}
 
 
-@ray.remote(concurrency_groups={"wait": 64, "update": 1})
+@ray.remote(concurrency_groups={"wait": MAX_WORKERS, "update": 1})
 class ParamShard:
     """The shard as an actor. Pulls run in their own group of threads, so a pull that must
     wait for other workers' clocks waits without holding up the pushes that will let it go

@@ -31,7 +31,7 @@ import torch
 
 from raylane import config as cfg
 from raylane.actors import ctr
-from raylane.actors.param_shard import MODES, OPTIMIZERS, ParamShard, ShardConfig
+from raylane.actors.param_shard import MAX_WORKERS, MODES, OPTIMIZERS, ParamShard, ShardConfig
 from raylane.actors.ps_layout import dense_slices, row_shard
 from raylane.actors.ps_worker import PSWorker, WorkerConfig
 from raylane.driver import Context, DriverConfig
@@ -99,6 +99,8 @@ class PSCTRConfig:
     """Run name, stop rules, checkpoints."""
 
     def validate(self) -> None:
+        if self.workers > MAX_WORKERS:
+            raise ValueError(f"workers ({self.workers}) must not exceed {MAX_WORKERS}: each shard holds a thread for every waiting pull")
         if self.workers > self.rows:
             raise ValueError(f"workers ({self.workers}) must not exceed rows ({self.rows}): every worker needs rows")
         if self.mode != "ssp" and self.staleness != PSCTRConfig.staleness:
@@ -164,22 +166,27 @@ class PSCTRWorkload:
         flat = {n: v.reshape(-1) for n, v in init.items()}
         ray.get([self.shards[i].init_dense.remote({n: flat[n][a:b] for n, (a, b) in self.slices[i].items()}) for i in range(c.shards)], timeout=c.step_timeout_s)
 
-    def _ensure_actors(self) -> None:
-        """Every shard and worker number on a live actor; new shards are fresh (restored on
-        the load that follows a recovery), survivors keep their state."""
+    def _ensure_actors(self, shards: bool = True, wait_s: float | None = None) -> None:
+        """Every worker number (and, with ``shards``, every shard number) on a live actor;
+        new shards are fresh (restored on the load that follows a recovery), survivors keep
+        their state. Shards are only replaced on recovery: a shard replaced anywhere else
+        would serve without its state."""
         assert self.shard_pool is not None and self.worker_pool is not None and self.ctx is not None
         c = self.config
-        for pool in (self.shard_pool, self.worker_pool):
+        for pool in ((self.shard_pool, self.worker_pool) if shards else (self.worker_pool,)):
             pool.call_all("where", timeout_s=c.step_timeout_s)  # evicts the dead; the pool starts replacements
-            pool.wait_ready(timeout_s=c.step_timeout_s)
-        live_s, live_w = self.shard_pool.actors(), self.worker_pool.actors()
-        kept = {i: h for i, h in self.shards.items() if h in live_s}
-        free = [h for h in live_s if h not in kept.values()]
-        new = dict(zip([i for i in range(c.shards) if i not in kept], free))
-        if new:
-            ray.get([h.setup.remote(self.shard_config(i)) for i, h in new.items()], timeout=c.step_timeout_s)
-            self.fresh |= set(new)
-        self.shards = {**kept, **new}
+            pool.wait_ready(timeout_s=wait_s or c.step_timeout_s)
+        new: dict[int, Any] = {}
+        if shards:
+            live_s = self.shard_pool.actors()
+            kept = {i: h for i, h in self.shards.items() if h in live_s}
+            free = [h for h in live_s if h not in kept.values()]
+            new = dict(zip([i for i in range(c.shards) if i not in kept], free))
+            if new:
+                ray.get([h.setup.remote(self.shard_config(i)) for i, h in new.items()], timeout=c.step_timeout_s)
+                self.fresh |= set(new)
+            self.shards = {**kept, **new}
+        live_w = self.worker_pool.actors()
         kept_w = {w: h for w, h in self.workers.items() if h in live_w}
         free_w = [h for h in live_w if h not in kept_w.values()]
         new_w = dict(zip([w for w in range(c.workers) if w not in kept_w], free_w))
@@ -302,6 +309,19 @@ class PSCTRWorkload:
         if self.worker_pool is not None:
             out[WORKERS] = self.worker_pool
         return out
+
+    def on_event(self, event: Any) -> bool:
+        """A node is leaving or gone: the driver has evacuated (notice) or evicted (loss) its
+        actors; give the workers' numbers to their replacements now, so the next step does not
+        fail on a dead worker. (A lost shard fails the next step and is restored on recovery.)"""
+        from raylane.preemption import NodeLeaving, NodeLost
+
+        if isinstance(event, (NodeLeaving, NodeLost)) and self.shard_pool is not None:
+            try:
+                self._ensure_actors(shards=False, wait_s=30.0)
+            except (PoolError, TimeoutError) as exc:  # no room yet: the next step fails over to recovery
+                log.warning("ps_ctr: could not replace actors after %s: %s", type(event).__name__, exc)
+        return False
 
     def recover(self, ctx: Context, error: BaseException) -> None:
         """Replace what was lost: workers still inside a failed step are killed (stateless:

@@ -170,3 +170,31 @@ def test_cli_refuses_bad_input_before_ray_starts_and_documents_every_key():
     keys = cfg.describe(PSCTRConfig)
     assert {"shards", "workers", "mode", "staleness", "embedding_dim", "optimizer"} <= {k for k, *_ in keys}
     assert all(doc for *_, doc in keys)
+
+
+def test_a_malformed_push_is_refused_before_anything_changes():
+    core = shard("sync")
+    before = core.export_state()
+    bad = [
+        ({}, {}, "has no gradient for dense 'w'"),
+        ({"w": np.zeros(3, np.float32)}, {}, "dense 'w' gradient has 3 values, this shard holds 4"),
+        ({"w": np.zeros(4, np.float32)}, {"t": (np.array([1, 2]), np.zeros((2, 3), np.float32))}, r"gradients are \(2, 3\), expected \(2, 2\)"),
+        ({"w": np.zeros(4, np.float32)}, {"u": (np.array([1]), np.zeros((1, 2), np.float32))}, "no embedding table 'u'"),
+    ]
+    for dense, sparse, message in bad:
+        with pytest.raises(ValueError, match=message):
+            core.push(0, 0, dense, sparse)
+    assert core.pending == {} and np.array_equal(core.export_state()["dense"]["w"], before["dense"]["w"])
+    assert push(core, 0, 0, 1.0)  # the same clock pushed properly is still taken
+
+
+def test_the_record_of_applied_clocks_stays_small():
+    core = shard("async", workers=1)
+    for clock in range(500):
+        push(core, 0, clock, 0.0)
+    assert core.done[0] == 500 and core.above[0] == set() and core.worker_clock(0) == 500
+    assert not push(core, 0, 250, 0.0)  # still known as applied
+    with pytest.raises(ValueError, match="65 workers: a shard serves at most 64"):
+        ShardConfig(0, 1, 65)
+    with pytest.raises(cfg.ConfigError, match="workers .65. must not exceed 64"):
+        cfg.load_config(PSCTRConfig, overrides=["workers=65"])
