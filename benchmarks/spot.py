@@ -20,7 +20,8 @@ Prints per workload and mode: driver steps completed (progress, after any rewind
 goodput (steps per second) and its ratio to fault-free (targets: >= 0.9 with notice,
 >= 0.8 without), and per loss the detection time (node removed -> the driver's first event
 about it; for notice runs, notice -> NodeLeaving) and recovery time (node removed -> the
-first step past the most progress made before the loss; target <= 5 s). Writes ``spot_<workload>.png`` (steps
+first step past the most progress made before the loss; target <= 5 s), and the longest
+stall between two steps in the run (where a restart shows). Writes ``spot_<workload>.png`` (steps
 against time, preemptions marked) into ``--out``.
 """
 
@@ -168,7 +169,9 @@ def run_one(market: SpotMarket, job: str, mode: str, args, runs: Path) -> dict[s
         seen = [e["time"] for e in events if e["time"] >= t and e["event"] == "NodeLeaving"]
         if seen:
             notice_seen.append(seen[0] - t)
-    return {"job": job, "mode": mode, "steps": summary["steps"], "wall": wall, "state": summary["state"], "recoveries": summary["failures_recovered"],
+    times = [r["time"] for r in rows]
+    stall = max((b - a for a, b in zip(times, times[1:])), default=0.0)  # the longest wait between two steps
+    return {"job": job, "mode": mode, "steps": summary["steps"], "stall": stall, "wall": wall, "state": summary["state"], "recoveries": summary["failures_recovered"],
             "losses": len(losses), "detect": detect, "notice_seen": notice_seen, "recover": recover,
             "curve": [(r["time"] - t0, r["step"]) for r in rows], "marks": [t - t0 for t in losses]}
 
@@ -226,12 +229,12 @@ def main() -> None:
             results = [run_one(market, job, mode, args, runs) for mode in args.modes]
             base = next((r for r in results if r["mode"] == "fault-free"), None)
             print(f"\n== {job}")
-            print(f"{'mode':<12}{'steps':>7}{'steps/s':>9}{'ratio':>7}  losses  recoveries  detection            recovery (node gone -> new progress)")
+            print(f"{'mode':<12}{'steps':>7}{'steps/s':>9}{'ratio':>7}  losses  recoveries  stall  detection            recovery (node gone -> new progress)")
             for r in results:
                 rate = r["steps"] / r["wall"]
                 ratio = f"{rate / (base['steps'] / base['wall']):.2f}" if base and base["steps"] else "-"
                 det = fmt(r["notice_seen"]) + " notice" if r["mode"] == "notice" else fmt(r["detect"])
-                print(f"{r['mode']:<12}{r['steps']:>7}{rate:>9.2f}{ratio:>7}  {r['losses']:>6}  {r['recoveries']:>10}  {det:<20} {fmt(r['recover'])}")
+                print(f"{r['mode']:<12}{r['steps']:>7}{rate:>9.2f}{ratio:>7}  {r['losses']:>6}  {r['recoveries']:>10}  {r['stall']:4.1f}s  {det:<20} {fmt(r['recover'])}")
             print(f"plot: {plot(job, results, out)}", flush=True)
             (out / f"spot_{job}.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in results], indent=1))
     finally:
