@@ -87,7 +87,7 @@ class PSCTRConfig:
     """Seed of the data, the initial weights and the batch order."""
     target_auc: float = cfg.field(0.0, ge=0, le=1)
     """Stop once the held-out AUC reaches this (0: run all steps)."""
-    shard_cpus: float = cfg.field(0.5, gt=0)
+    shard_cpus: float = cfg.field(0.25, gt=0)
     """CPUs each shard reserves."""
     worker_cpus: float = cfg.field(0.5, gt=0)
     """CPUs each worker reserves."""
