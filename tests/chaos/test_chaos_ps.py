@@ -15,18 +15,11 @@ from raylane.driver import Driver, DriverConfig
 from raylane.jobs.ps_ctr import PSCTRConfig, PSCTRWorkload
 from raylane.runlog import read_jsonl
 
+from market_helpers import wait_all_free  # tests/market_helpers.py
+
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
 STEPS, CLOCKS, EVERY = 10, 10, 2
-
-
-def wait_all_free(timeout_s: float = 60.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if all(n.available.get("CPU", 0) == n.cpus for n in ClusterView.from_ray().usable):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("cluster CPUs were not released in time")
 
 
 def make(tmp_path, name: str) -> PSCTRConfig:

@@ -14,18 +14,11 @@ from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload
 from raylane.runlog import read_jsonl
 
+from market_helpers import wait_all_free  # tests/market_helpers.py
+
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
 ROUNDS, CHUNK = 60, 10
-
-
-def wait_all_free(timeout_s: float = 60.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if all(n.available.get("CPU", 0) == n.cpus for n in ClusterView.from_ray().usable):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("cluster CPUs were not released in time")
 
 
 def make(tmp_path, name: str) -> XGBoostJobConfig:

@@ -18,20 +18,9 @@ from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig, PipelineLMWor
 
 from pipeline_ref import check_close, final_params, reference  # tests/pipeline_ref.py
 
+from market_helpers import wait_all_free, by_name  # tests/market_helpers.py
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
-
-
-def by_name(market, name):
-    return next(n for n in market.nodes.values() if n.name == name)
-
-
-def wait_all_free(timeout_s: float = 60.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if all(n.available.get("CPU", 0) == n.cpus for n in ClusterView.from_ray().usable):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("cluster CPUs were not released in time")
 
 
 def test_pipeline_shrinks_to_the_stages_that_fit_and_grows_back_with_exact_weights(spot_cluster, tmp_path):

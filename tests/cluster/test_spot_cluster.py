@@ -22,6 +22,8 @@ from raylane.placement import RoleSpec, plan, ray_options
 from raylane.pool import ActorPool
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 
+from market_helpers import wait_all_free, by_name  # tests/market_helpers.py
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
@@ -33,21 +35,6 @@ class Where:
     def work(self, x: int, delay: float) -> tuple[int, str]:
         time.sleep(delay)
         return x, ray.get_runtime_context().get_node_id()
-
-
-def by_name(market, name):
-    return next(n for n in market.nodes.values() if n.name == name)
-
-
-def wait_all_free(timeout_s: float = 30.0) -> None:
-    """Killed actors release their CPUs asynchronously; placement reads free resources."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        view = ClusterView.from_ray()
-        if all(n.available.get("CPU", 0) == n.cpus for n in view.usable):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("cluster CPUs were not released in time")
 
 
 def test_cluster_view_reads_markets_and_speeds(spot_cluster):

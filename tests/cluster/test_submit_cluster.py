@@ -201,4 +201,4 @@ def test_down_stops_exactly_the_dev_clusters_processes(dev):
     finally:
         for p in (plain, other):
             p.kill()
-            p.wait()
+            p.wait(timeout=30)

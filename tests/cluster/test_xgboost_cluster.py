@@ -20,23 +20,11 @@ from raylane.jobs.xgboost import ROLE, DataConfig, XGBoostJobConfig, XGBoostWork
 from raylane.placement import plan
 from raylane.runlog import read_jsonl
 
+from market_helpers import wait_all_free, by_name  # tests/market_helpers.py
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 DATA = {"source": "synthetic:classification", "rows": 150_000, "num_features": 12, "seed": 5}
-
-
-def by_name(market, name):
-    return next(n for n in market.nodes.values() if n.name == name)
-
-
-def wait_all_free(timeout_s: float = 60.0) -> None:
-    """Killed actors release their CPUs asynchronously; placement reads free resources."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if all(n.available.get("CPU", 0) == n.cpus for n in ClusterView.from_ray().usable):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("cluster CPUs were not released in time")
 
 
 def make(tmp_path, name: str, **kw) -> XGBoostJobConfig:
