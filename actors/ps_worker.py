@@ -60,31 +60,14 @@ class WorkerCore:
         return self.ids[pick], self.numeric[pick], self.labels[pick]
 
     def route(self, uniq: list[np.ndarray]) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
-        """Per shard: table -> (positions among the unique ids, the ids) it holds."""
-        out: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(self.config.shards)]
-        for f, u in enumerate(uniq):
-            table = ctr.table_name(f)
-            owner = row_shard(table, u, self.config.shards)
-            for s in range(self.config.shards):
-                pos = np.nonzero(owner == s)[0]
-                out[s][table] = (pos, u[pos])
-        return out
+        return route(uniq, self.config.shards)
 
     def compute(self, clock: int, pulled: Sequence[tuple[dict, dict]], routes, uniq, inv, numeric, labels):
         """Loss and per-shard gradients from the shards' answers."""
         shape = self.config.shape
-        dense = {}
-        for name, shp in self.shapes.items():
-            flat = np.concatenate([pulled[s][0][name] for s in range(self.config.shards)])
-            dense[name] = torch.from_numpy(flat.reshape(shp)).requires_grad_(True)
-        tables = {}
-        for f, u in enumerate(uniq):
-            table = ctr.table_name(f)
-            full = np.empty((len(u), shape.embedding_dim), np.float32)
-            for s in range(self.config.shards):
-                pos, _ = routes[s][table]
-                full[pos] = pulled[s][1][table]
-            tables[table] = torch.from_numpy(full).requires_grad_(True)
+        dense, tables = assemble(shape, pulled, routes, uniq)
+        for t in (*dense.values(), *tables.values()):
+            t.requires_grad_(True)
         logits = ctr.forward(shape, dense, tables, inv, torch.from_numpy(numeric))
         loss = ctr.loss_fn(logits, torch.from_numpy(labels))
         loss.backward()
@@ -94,6 +77,32 @@ class WorkerCore:
             sp = {table: (ids, tables[table].grad[pos].numpy().copy()) for table, (pos, ids) in routes[s].items()}
             pushes.append((d, sp))
         return float(loss.detach()), pushes
+
+
+def route(uniq: list[np.ndarray], shards: int) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Per shard: table -> (positions among the unique ids of each field, the ids) it holds."""
+    out: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(shards)]
+    for f, u in enumerate(uniq):
+        table = ctr.table_name(f)
+        owner = row_shard(table, u, shards)
+        for s in range(shards):
+            pos = np.nonzero(owner == s)[0]
+            out[s][table] = (pos, u[pos])
+    return out
+
+
+def assemble(shape: ctr.CTRShape, answers: Sequence[tuple[dict, dict]], routes, uniq: list[np.ndarray]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's dense tensors and, per table, the rows of the unique ids, put together from
+    the shards' answers to pulls (or reads) made along ``routes``."""
+    dense = {name: torch.from_numpy(np.concatenate([a[0][name] for a in answers]).reshape(shp)) for name, shp in ctr.dense_shapes(shape).items()}
+    tables = {}
+    for f, u in enumerate(uniq):
+        table = ctr.table_name(f)
+        full = np.empty((len(u), shape.embedding_dim), np.float32)
+        for s, answer in enumerate(answers):
+            full[routes[s][table][0]] = answer[1][table]
+        tables[table] = torch.from_numpy(full)
+    return dense, tables
 
 
 @ray.remote

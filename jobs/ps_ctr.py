@@ -32,8 +32,8 @@ import torch
 from raylane import config as cfg
 from raylane.actors import ctr
 from raylane.actors.param_shard import MAX_WORKERS, MODES, OPTIMIZERS, ParamShard, ShardConfig
-from raylane.actors.ps_layout import dense_slices, row_shard
-from raylane.actors.ps_worker import PSWorker, WorkerConfig
+from raylane.actors.ps_layout import dense_slices
+from raylane.actors.ps_worker import PSWorker, WorkerConfig, assemble, route
 from raylane.driver import Context, DriverConfig
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
@@ -110,6 +110,18 @@ class PSCTRConfig:
         return ctr.CTRShape(self.fields, self.ids_per_field, self.buckets, self.dense_features, self.embedding_dim, self.hidden)
 
 
+def assign(count: int, held: dict[int, Any], live: list[Any]) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Numbers 0..count-1 over live actors: ``(kept, new)``, where ``kept`` are the numbers
+    whose actor is still live and ``new`` gives the others to the live actors holding none.
+
+    >>> assign(3, {0: "a", 1: "b"}, ["a", "c", "d"])
+    ({0: 'a'}, {1: 'c', 2: 'd'})
+    """
+    kept = {i: h for i, h in held.items() if h in live}
+    free = [h for h in live if h not in kept.values()]
+    return kept, dict(zip([i for i in range(count) if i not in kept], free))
+
+
 class StepFailed(PoolError):
     """A step's worker calls failed; recoverable when an actor was lost or a wait timed out."""
 
@@ -178,18 +190,12 @@ class PSCTRWorkload:
             pool.wait_ready(timeout_s=wait_s or c.step_timeout_s)
         new: dict[int, Any] = {}
         if shards:
-            live_s = self.shard_pool.actors()
-            kept = {i: h for i, h in self.shards.items() if h in live_s}
-            free = [h for h in live_s if h not in kept.values()]
-            new = dict(zip([i for i in range(c.shards) if i not in kept], free))
+            kept, new = assign(c.shards, self.shards, self.shard_pool.actors())
             if new:
                 ray.get([h.setup.remote(self.shard_config(i)) for i, h in new.items()], timeout=c.step_timeout_s)
                 self.fresh |= set(new)
             self.shards = {**kept, **new}
-        live_w = self.worker_pool.actors()
-        kept_w = {w: h for w, h in self.workers.items() if h in live_w}
-        free_w = [h for h in live_w if h not in kept_w.values()]
-        new_w = dict(zip([w for w in range(c.workers) if w not in kept_w], free_w))
+        kept_w, new_w = assign(c.workers, self.workers, self.worker_pool.actors())
         if new_w:
             bounds = np.cumsum([0] + split_by_speed(c.rows, [1.0] * c.workers)).tolist()
             ray.get([h.setup.remote(self.worker_config(w, (bounds[w], bounds[w + 1]))) for w, h in new_w.items()], timeout=c.step_timeout_s)
@@ -260,23 +266,9 @@ class PSCTRWorkload:
         c = self.config
         ids, numeric, labels = self.eval
         uniq, inv = ctr.unique_ids(ids)
-        per_shard: list[dict[str, Any]] = [{} for _ in range(c.shards)]
-        where = []
-        for f, u in enumerate(uniq):
-            table = ctr.table_name(f)
-            owner = row_shard(table, u, c.shards)
-            where.append(owner)
-            for s in range(c.shards):
-                per_shard[s][table] = u[owner == s]
-        answers = ray.get([self.shards[s].read.remote(per_shard[s]) for s in range(c.shards)], timeout=c.step_timeout_s)
-        dense = {n: torch.from_numpy(np.concatenate([answers[s][0][n] for s in range(c.shards)]).reshape(shp)) for n, shp in ctr.dense_shapes(self.shape).items()}
-        tables = {}
-        for f, u in enumerate(uniq):
-            table = ctr.table_name(f)
-            full = np.empty((len(u), c.embedding_dim), np.float32)
-            for s in range(c.shards):
-                full[where[f] == s] = answers[s][1][table]
-            tables[table] = torch.from_numpy(full)
+        routes = route(uniq, c.shards)
+        answers = ray.get([self.shards[s].read.remote({t: ids_ for t, (_, ids_) in routes[s].items()}) for s in range(c.shards)], timeout=c.step_timeout_s)
+        dense, tables = assemble(self.shape, answers, routes, uniq)
         with torch.no_grad():
             logits = ctr.forward(self.shape, dense, tables, inv, torch.from_numpy(numeric)).numpy()
         return float(roc_auc_score(labels, logits))
