@@ -289,9 +289,27 @@ def partition(edge_index: np.ndarray, num_nodes: int, parts: int, *, seed: int =
     return part
 
 
-def to_shared(data, parts: int, *, seed: int = 0) -> SharedGraph:
-    """Validate ``data``, partition it into ``parts`` METIS parts, and build the CSR form."""
+FEATURE_DTYPES = ("float32", "float16")
+
+
+def feature_array(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The features stored as ``dtype``: float16 halves the shared array and every batch's
+    features on the wire (the trainer still computes in float32); refused where a value
+    would not fit (|x| > 65504 becomes inf)."""
+    if dtype not in FEATURE_DTYPES:
+        raise GraphError(f"feature_dtype={dtype!r}: must be one of {', '.join(FEATURE_DTYPES)}")
+    if dtype == "float16" and x.size:
+        big = float(np.abs(x).max())
+        if big > float(np.finfo(np.float16).max):
+            raise GraphError(f"feature_dtype='float16' cannot hold a feature of magnitude {big:g} (largest 65504): use float32 or rescale the features")
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+def to_shared(data, parts: int, *, seed: int = 0, feature_dtype: str = "float32") -> SharedGraph:
+    """Validate ``data``, partition it into ``parts`` METIS parts, and build the CSR form,
+    with the features stored as ``feature_dtype`` (see :func:`feature_array`)."""
     validate_graph(data)
+    x = feature_array(data.x.numpy(), feature_dtype)
     n = int(data.y.shape[0])
     ei = data.edge_index.numpy()
     part = partition(ei, n, parts, seed=seed)
@@ -299,6 +317,6 @@ def to_shared(data, parts: int, *, seed: int = 0) -> SharedGraph:
     train = data.train_mask.numpy()
     seeds = tuple(np.flatnonzero(train & (part == p)) for p in range(parts))
     return SharedGraph(
-        indptr=indptr, indices=indices, x=np.ascontiguousarray(data.x.numpy(), dtype=np.float32), y=data.y.numpy().astype(np.int64),
+        indptr=indptr, indices=indices, x=x, y=data.y.numpy().astype(np.int64),
         part=part, train_seeds=seeds, val_idx=np.flatnonzero(data.val_mask.numpy()), test_idx=np.flatnonzero(data.test_mask.numpy()),
     )

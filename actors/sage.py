@@ -115,7 +115,7 @@ class GNNTrainer:
         t0 = time.perf_counter()
         self.model.train()
         dev = self.device
-        x = torch.as_tensor(batch["x"]).to(dev)
+        x = torch.as_tensor(batch["x"]).to(dev, torch.float32)  # features may travel as float16
         ei = torch.as_tensor(batch["edge_index"]).to(dev, torch.int64)
         y = torch.as_tensor(batch["y"]).to(dev)
         bs = int(batch["batch_size"])
@@ -143,7 +143,7 @@ class GNNTrainer:
         g = self.graph
         if self._adj is None:
             self._adj = adjacency(g).to(self.device)
-        x = torch.from_numpy(np.asarray(g.x)).to(self.device)
+        x = torch.from_numpy(np.asarray(g.x)).to(self.device, torch.float32)
         pred = self.model(x, self._adj).argmax(1).cpu().numpy()
         y = np.asarray(g.y)
         acc = lambda idx: float((pred[idx] == y[idx]).mean()) if len(idx) else float("nan")  # noqa: E731
@@ -182,7 +182,7 @@ def _to_cpu(obj):
 def train_mlp_baseline(graph: SharedGraph, *, hidden: int = 128, layers: int = 2, epochs: int = 100, lr: float = 1e-2, seed: int = 0) -> float:
     """Test accuracy of an MLP on the features alone, trained full-batch (the bar GraphSAGE must clear)."""
     torch.manual_seed(seed)
-    x = torch.from_numpy(np.asarray(graph.x))
+    x = torch.from_numpy(np.asarray(graph.x)).float()
     y = torch.from_numpy(np.asarray(graph.y))
     train = torch.from_numpy(np.concatenate(graph.train_seeds))
     model = MLP(x.shape[1], hidden, graph.num_classes, layers, dropout=0.2)

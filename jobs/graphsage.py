@@ -22,7 +22,7 @@ import ray
 
 from raylane import config as cfg
 from raylane.actors.gnn_sampler import GNNSamplerActor, SamplerConfig
-from raylane.actors.graph import SharedGraph, load_graph, sbm_graph, to_shared
+from raylane.actors.graph import FEATURE_DTYPES, SharedGraph, load_graph, sbm_graph, to_shared
 from raylane.actors.sage import GNNTrainerActor, TrainerConfig
 from raylane.actors.sampling import check_fanouts, epoch_plan
 from raylane.driver import Context, DriverConfig
@@ -92,6 +92,8 @@ class GraphSAGEConfig:
     """Adam learning rate."""
     weight_decay: float = cfg.field(0.0, ge=0)
     """Adam weight decay."""
+    feature_dtype: str = cfg.field("float32", choices=FEATURE_DTYPES)
+    """Precision of the node features in the object store and in every batch: float16 halves both (and the copy of each batch into the store); the model still computes in float32."""
     samplers: int = cfg.field(2, ge=1)
     """Sampler actors, and METIS parts of the graph (one per sampler)."""
     max_samplers: int = cfg.field(16, ge=1)
@@ -132,7 +134,7 @@ class GraphSAGEWorkload:
         c = config
         cfg.validate(config)
         # Everything about the input is checked here, before any actor starts.
-        self.graph = graph if graph is not None else to_shared(c.graph.load(), c.samplers, seed=c.seed)
+        self.graph = graph if graph is not None else to_shared(c.graph.load(), c.samplers, seed=c.seed, feature_dtype=c.feature_dtype)
         self.plan = epoch_plan([len(s) for s in self.graph.train_seeds], c.batch_size)
         self.n_train = sum(len(s) for s in self.graph.train_seeds)
         self.cursor = 0  # global batch number: epoch * len(plan) + position

@@ -271,3 +271,34 @@ def test_graphsage_beats_the_features_only_mlp_in_process():
     acc = trainer.evaluate()["test_acc"]
     assert acc >= 0.9, acc
     assert acc >= mlp + 0.2, (acc, mlp)  # neighbourhoods carry what the features alone do not
+
+
+def test_float16_features_halve_the_batch_and_train_like_float32():
+    torch.set_num_threads(1)
+    data = sbm_graph(600, seed=2)
+    g32, g16 = to_shared(data, 2), to_shared(data, 2, feature_dtype="float16")
+    assert g16.x.dtype == np.float16 and g16.x.nbytes * 2 == g32.x.nbytes
+    seeds = g32.train_seeds[0][:64]
+    b32 = make_batch(g32, seeds, (5, 3), batch_rng(seed=0, epoch=0, part=0, index=0))
+    b16 = make_batch(g16, seeds, (5, 3), batch_rng(seed=0, epoch=0, part=0, index=0))
+    assert b16["x"].dtype == np.float16 and np.array_equal(b16["edge_index"], b32["edge_index"])
+    np.testing.assert_allclose(b16["x"].astype(np.float32), b32["x"], rtol=1e-3, atol=1e-3)
+    conf = lambda g: TrainerConfig(in_dim=g.x.shape[1], num_classes=g.num_classes, dropout=0.0, seed=0)  # noqa: E731
+    t32, t16 = GNNTrainer(conf(g32), g32), GNNTrainer(conf(g16), g16)
+    for _ in range(3):
+        l32, l16 = t32.train(b32)["loss"], t16.train(b16)["loss"]
+        assert abs(l32 - l16) < 1e-2 * abs(l32), (l32, l16)
+    assert abs(t32.evaluate()["test_acc"] - t16.evaluate()["test_acc"]) < 0.02
+
+
+def test_float16_refuses_features_it_cannot_hold():
+    data = sbm_graph(100, seed=0)
+    data.x[3, 1] = 1e6
+    with pytest.raises(GraphError, match=r"magnitude 1e\+06 \(largest 65504\): use float32 or rescale"):
+        to_shared(data, 2, feature_dtype="float16")
+    with pytest.raises(GraphError, match=r"feature_dtype='bfloat16': must be one of float32, float16"):
+        to_shared(data, 2, feature_dtype="bfloat16")
+    from raylane.jobs.graphsage import GraphSAGEConfig
+
+    with pytest.raises(cfg.ConfigError, match="feature_dtype"):
+        cfg.load_config(GraphSAGEConfig, overrides=["feature_dtype=float64"])
