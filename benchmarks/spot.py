@@ -19,8 +19,9 @@ spot) and every mode, the job runs for ``--duration`` seconds of wall time:
 Prints per workload and mode: driver steps completed (progress, after any rewinds),
 goodput (steps per second) and its ratio to fault-free (targets: >= 0.9 with notice,
 >= 0.8 without), and per loss the detection time (node removed -> the driver's first event
-about it; for notice runs, notice -> NodeLeaving) and recovery time (node removed -> the
-first step past the most progress made before the loss; target <= 5 s), and the longest
+about it; for notice runs, notice -> NodeLeaving) and recovery time (node removed -> the end
+of the first step begun after it that goes past the most progress made before it; target
+<= 5 s), and the longest
 stall between two steps in the run (where a restart shows). Writes ``spot_<workload>.png`` (steps
 against time, preemptions marked) into ``--out``.
 """
@@ -153,17 +154,12 @@ def run_one(market: SpotMarket, job: str, mode: str, args, runs: Path) -> dict[s
     events = [json.loads(line) for line in (runs / name / "events.jsonl").read_text().splitlines()]
     losses = [t for t, kind, _ in market.log if kind == "removed"]
     notices = [t for t, kind, _ in market.log if kind == "notice"]
-    detect, recover = [], []
+    detect = []
     for t in losses:
         seen = [e["time"] for e in events if e["time"] >= t and e["event"] in ("NodeLost", "failure")]
         if seen:
             detect.append(seen[0] - t)
-        # recovered: the first step past the most progress made before the loss (a step
-        # that finishes after it but was under way before, or a replayed step, does not count)
-        reached = max([r["step"] for r in rows if r["time"] <= t], default=0)
-        after = [r["time"] for r in rows if r["time"] > t and r["step"] > reached]
-        if after:
-            recover.append(after[0] - t)
+    recover = recovery_times(rows, events, losses)
     notice_seen = []
     for t in notices:
         seen = [e["time"] for e in events if e["time"] >= t and e["event"] == "NodeLeaving"]
@@ -174,6 +170,27 @@ def run_one(market: SpotMarket, job: str, mode: str, args, runs: Path) -> dict[s
     return {"job": job, "mode": mode, "steps": summary["steps"], "stall": stall, "wall": wall, "state": summary["state"], "recoveries": summary["failures_recovered"],
             "losses": len(losses), "detect": detect, "notice_seen": notice_seen, "recover": recover,
             "curve": [(r["time"] - t0, r["step"]) for r in rows], "marks": [t - t0 for t in losses]}
+
+
+def recovery_times(rows: list[dict], events: list[dict], losses: list[float]) -> list[float]:
+    """Per loss: seconds from the node's removal to the end of the first step that started
+    after it, went past the most progress made before it, and was kept (no rewind below that
+    progress before the next loss). A step's start is the end of the step before it, or the
+    driver's last return to RUNNING (after a recovery), whichever is later; so a step under
+    way at the loss, a replayed step, and steps later thrown away by a restart do not count."""
+    resumed = sorted(e["time"] for e in events if e["event"] == "state" and e.get("state") == "running")
+    out = []
+    for k, t in enumerate(losses):
+        until = losses[k + 1] if k + 1 < len(losses) else float("inf")
+        reached = max([r["step"] for r in rows if r["time"] <= t], default=0)
+        for i, r in enumerate(rows):
+            start = max([rows[i - 1]["time"] if i else 0.0] + [x for x in resumed if x <= r["time"]])
+            if r["time"] <= t or start < t or r["step"] <= reached:
+                continue
+            if all(q["step"] > reached for q in rows[i + 1 :] if q["time"] < until):
+                out.append(r["time"] - t)
+                break
+    return out
 
 
 def plot(job: str, results: list[dict[str, Any]], out: Path) -> Path:

@@ -42,6 +42,7 @@ from raylane.driver import Context, DriverConfig
 from raylane.launch import job_main
 from raylane.layer_split import split_virtual, stage_loads
 from raylane.placement import RoleSpec
+from raylane.preemption import NodeLeaving
 from raylane.pool import ActorPool, CallTimeoutError
 from raylane.registry import JobSpec
 
@@ -282,6 +283,32 @@ class PipelineLMWorkload:
             self._relayout(states=self._gather_state())
             assert self.ctx is not None
             self.ctx.log.event("pipeline_grow", stages_before=before, stages=self.layout.sched.p)
+
+    def on_event(self, event: Any) -> bool:
+        """A preemption notice for a node that holds stages: hand its layers over now, from
+        the live state, to the stages elsewhere (the pool starts replacements where there is
+        room; the next steps grow onto them), so the node can go without a failed step or a
+        replay. Returns True (checkpoint at once) only when there is nowhere to hand them."""
+        if not isinstance(event, NodeLeaving) or self.layout is None or self.pool is None:
+            return False
+        c = self.config
+        live = self.pool.actors()
+        where = ray.get([h.where.remote() for h in live], timeout=c.step_timeout_s)
+        leaving = sum(1 for w in where if w["node"] == event.node_id)
+        if not leaving:
+            return False
+        staying = len(live) - leaving
+        assert self.ctx is not None
+        if staying < c.replicas:  # not one stage per pipeline would be left: keep going and let recovery cut over
+            self.ctx.log.event("pipeline_handoff", node=event.node_id, done=False, reason=f"{staying} stage(s) off the node, {c.replicas} pipeline(s)")
+            return True
+        before = self.layout.sched.p
+        states = self._gather_state()
+        self.pool.evacuate(event.node_id, "preemption notice: its layers are handed to the other stages")
+        self._relayout(states=states)
+        self.ctx.log.event("pipeline_handoff", node=event.node_id, done=True, stages_before=before, stages=self.layout.sched.p,
+                           seconds_left=event.seconds_left())
+        return False
 
     def step(self, step: int) -> dict[str, Any]:
         c = self.config

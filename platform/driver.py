@@ -39,6 +39,10 @@ from raylane.runlog import Progress, RunLog
 
 log = logging.getLogger(__name__)
 
+# A node under notice is treated as leaving until it is lost, or this long after its
+# deadline (or after the notice, when it gave none).
+LEAVING_GRACE_S = 120.0
+
 
 class State(enum.Enum):
     INITIALIZING = "initializing"
@@ -187,6 +191,7 @@ class Driver:
         self._ctx: Context | None = None
         self._monitor: Any = event_source
         self._desired: dict[str, int] = {}
+        self._leaving: dict[str, float] = {}  # node id -> deadline of its preemption notice
         self._autoscaler = Autoscaler(config.pool_autoscale)
         self._busy_seen: dict[str, tuple[float, float]] = {}
         self._channel: Any = None
@@ -399,18 +404,22 @@ class Driver:
         self._to(State.RUNNING, f"recovered from step {self.step}")
 
     def _handle_events(self) -> bool:
-        """React to node events; True when a node with stateful actors got a notice."""
+        """React to node events; True when a checkpoint is due now: a node with stateful
+        actors got a notice, or such actors are still on a node that is leaving."""
         if self._monitor is None or self._ctx is None:
             return False
         events = self._monitor.poll()
         if not events:
-            return False
+            return self._stateful_on_leaving()
         pools = self.workload.pools()
         notice = False
         stateful_roles = {r.name for r in self.workload.roles() if r.stateful}
         for ev in events:
             self._ctx.log.event(type(ev).__name__, node=ev.node_id, market=ev.market, deadline=getattr(ev, "deadline", None))
+            if isinstance(ev, NodeLeaving):
+                self._leaving[ev.node_id] = ev.deadline if ev.deadline is not None else time.time() + LEAVING_GRACE_S
             if isinstance(ev, NodeLost):
+                self._leaving.pop(ev.node_id, None)
                 for pool in pools.values():
                     if pool.status().nodes.get(ev.node_id, 0):
                         pool.evacuate(ev.node_id, "node lost")
@@ -428,7 +437,20 @@ class Driver:
         self._ctx.cluster = self._cluster_source()
         if any(isinstance(e, (NodeJoined, NodeLost)) for e in events):
             self._rescale(pools)
-        return notice
+        return self._stateful_on_leaving() or notice
+
+    def _stateful_on_leaving(self) -> bool:
+        """Stateful actors still on a node under notice (the workload did not hand their
+        state over): checkpoint after every step until the node is gone, so its loss costs
+        at most the step under way rather than every step since the notice."""
+        now = time.time()
+        for node, deadline in list(self._leaving.items()):
+            if now > deadline + LEAVING_GRACE_S:  # the node outlived its notice by far: stop treating it as leaving
+                del self._leaving[node]
+        if not self._leaving:
+            return False
+        stateful = {r.name for r in self.workload.roles() if r.stateful}
+        return any(pool.status().nodes.get(node, 0) for name, pool in self.workload.pools().items() if name in stateful for node in self._leaving)
 
     def _settle_pools(self) -> None:
         """Between steps: a pool that cannot refill (or has room to grow back) is rescaled."""

@@ -244,11 +244,12 @@ class FakePool:
 class ScriptedEvents:
     """Node events delivered at chosen steps, as the preemption monitor would."""
 
-    def __init__(self, at_step, events, workload):
-        self.at_step, self.events, self.workload = at_step, events, workload
+    def __init__(self, at_step, events, workload, later=None):
+        self.script = {at_step: events, **(later or {})}
+        self.workload = workload
 
     def poll(self):
-        return self.events if self.workload.applied and self.workload.applied[-1] == self.at_step else []
+        return self.script.pop(self.workload.applied[-1], []) if self.workload.applied else []
 
 
 def test_preemption_notice_for_a_stateful_node_checkpoints_at_once(tmp_path):
@@ -263,17 +264,22 @@ def test_preemption_notice_for_a_stateful_node_checkpoints_at_once(tmp_path):
         def pools(self):
             return {"thing": self.stateful, "worker": self.stateless}
 
+    from raylane.preemption import NodeLost
+
     w = WithPools()
-    events = ScriptedEvents(6, [NodeLeaving("od-node", "on-demand", None), NodeLeaving("spot-node", "spot", 30.0)], w)
-    d = Driver(w, DriverConfig(runs_dir=str(tmp_path), run_name="r", max_steps=12, checkpoint_every_steps=5, progress=False, tensorboard=False),
+    events = ScriptedEvents(6, [NodeLeaving("od-node", "on-demand", None), NodeLeaving("spot-node", "spot", 30.0)], w,
+                            later={9: [NodeLost("od-node", "on-demand")]})
+    d = Driver(w, DriverConfig(runs_dir=str(tmp_path), run_name="r", max_steps=14, checkpoint_every_steps=5, progress=False, tensorboard=False),
                cluster_source=lambda: VIEW, event_source=events)
     d.run()
     rows = [json.loads(l) for l in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
     ckpts = [(e["step"], e["reason"]) for e in rows if e["event"] == "checkpoint"]
     assert (7, "preemption notice for a node with stateful actors") in ckpts  # step 6 ran as the 7th step
-    assert [s for s, _ in ckpts] == [0, 5, 7, 10, 12]
+    # While the stateful actor stays on the leaving node, every step is checkpointed (its
+    # loss then costs only the step under way); once the node is gone, the usual interval.
+    assert [s for s, _ in ckpts] == [0, 5, 7, 8, 9, 10, 14]
     assert w.stateless.evacuated == [("spot-node", "preemption notice")]  # stateless actors move early
-    assert w.stateful.evacuated == []  # stateful ones are checkpointed, then replaced on recovery
+    assert w.stateful.evacuated == [("od-node", "node lost")]  # stateful ones stay until lost, then are replaced
 
 
 def test_sigterm_stops_at_the_next_step_with_a_checkpoint_and_a_resume_continues(tmp_path):
