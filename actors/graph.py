@@ -299,7 +299,7 @@ def feature_array(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype not in FEATURE_DTYPES:
         raise GraphError(f"feature_dtype={dtype!r}: must be one of {', '.join(FEATURE_DTYPES)}")
     if dtype == "float16" and x.size:
-        big = float(np.abs(x).max())
+        big = float(max(x.max(), -x.min()))  # no temporary copy of the features
         if big > float(np.finfo(np.float16).max):
             raise GraphError(f"feature_dtype='float16' cannot hold a feature of magnitude {big:g} (largest 65504): use float32 or rescale the features")
     return np.ascontiguousarray(x, dtype=dtype)

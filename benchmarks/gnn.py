@@ -127,7 +127,7 @@ def sampling_rates(args, data, graph, graph_ref, sc) -> None:
     # that has run for a while recycles pages its processes have already mapped. One pass
     # through the store first, then the steady state; both are printed.
     warmup = math.ceil(args.store_mib * 2**20 / batch_bytes) + 10
-    ks = keys(graph, sc.batch_size, warmup + args.batches)
+    ks = keys(graph, sc.batch_size, warmup + args.batches + 7)
     local = GNNSampler(sc, graph)
     edges_per_s_in_process(local, ks[: args.batches // 2])  # this process's pages of the graph
     one = [GNNSamplerActor.options(num_cpus=1).remote(sc, graph_ref)]
@@ -135,12 +135,16 @@ def sampling_rates(args, data, graph, graph_ref, sc) -> None:
     ray.get([a.info.remote() for a in two], timeout=300)  # started, graph mapped
     cold = edges_per_s_actors(one, ks[:warmup])
     edges_per_s_actors(two[1:], ks[:warmup])
-    # Rounds alternate the sides, so a slow spell of this shared machine hits both; the
+    # Rounds alternate the batches and the order of the sides, so a slow spell of this shared machine hits both; the
     # ratios are medians over the rounds.
     rows = []
     for r in range(args.rounds):
         part = ks[warmup + (r % 2) * 7 :][: args.batches]
-        rows.append((edges_per_s_in_process(local, part), edges_per_s_actors(one, part), edges_per_s_actors(two, part)))
+        if r % 2:  # odd rounds run the sides in the other order
+            two_r, one_r, inproc_r = edges_per_s_actors(two, part), edges_per_s_actors(one, part), edges_per_s_in_process(local, part)
+        else:
+            inproc_r, one_r, two_r = edges_per_s_in_process(local, part), edges_per_s_actors(one, part), edges_per_s_actors(two, part)
+        rows.append((inproc_r, one_r, two_r))
     for a in two:
         ray.kill(a)
     inproc = statistics.median(r[0] for r in rows)

@@ -190,6 +190,8 @@ def recovery_times(rows: list[dict], events: list[dict], losses: list[float]) ->
             if all(q["step"] > reached for q in rows[i + 1 :] if q["time"] < until):
                 out.append(r["time"] - t)
                 break
+        else:
+            out.append(float("inf"))  # no new progress kept before the next loss or the end
     return out
 
 

@@ -43,7 +43,7 @@ from raylane.launch import job_main
 from raylane.layer_split import split_virtual, stage_loads
 from raylane.placement import RoleSpec
 from raylane.preemption import NodeLeaving
-from raylane.pool import ActorPool, CallTimeoutError
+from raylane.pool import ActorPool, CallTimeoutError, PoolError
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,7 @@ class PipelineLMWorkload:
         self.ctx: Context | None = None
         self.layout: Layout | None = None
         self.loaded = False  # the layout's stages hold the current layers
+        self._kept: dict[str, Any] | None = None  # layer states read for a hand-off that failed, until reloaded
         self.last_loss = float("nan")
 
     def roles(self) -> list[RoleSpec]:
@@ -260,7 +261,8 @@ class PipelineLMWorkload:
         return out
 
     def state_dict(self) -> dict:
-        return {"layers": self._gather_state(), "last_loss": self.last_loss}
+        layers = self._kept if self.layout is None and self._kept is not None else self._gather_state()
+        return {"layers": layers, "last_loss": self.last_loss}
 
     def load_state_dict(self, state: dict) -> None:
         layers = state["layers"]
@@ -269,6 +271,7 @@ class PipelineLMWorkload:
             raise ValueError(f"the checkpoint has no state for layers {missing}: it is not of this model ({self.model.n_layers} layers)")
         self.last_loss = float(state.get("last_loss", float("nan")))
         self._relayout(states=layers)
+        self._kept = None
 
     # ------------------------------------------------------------ steps
 
@@ -288,7 +291,8 @@ class PipelineLMWorkload:
         """A preemption notice for a node that holds stages: hand its layers over now, from
         the live state, to the stages elsewhere (the pool starts replacements where there is
         room; the next steps grow onto them), so the node can go without a failed step or a
-        replay. Returns True (checkpoint at once) only when there is nowhere to hand them."""
+        replay. Returns True (checkpoint at once) when there is nowhere to hand them, or the
+        hand-off failed (the state read from the stages is what that checkpoint holds)."""
         if not isinstance(event, NodeLeaving) or self.layout is None or self.pool is None:
             return False
         c = self.config
@@ -305,7 +309,12 @@ class PipelineLMWorkload:
         before = self.layout.sched.p
         states = self._gather_state()
         self.pool.evacuate(event.node_id, "preemption notice: its layers are handed to the other stages")
-        self._relayout(states=states)
+        try:
+            self._relayout(states=states)
+        except Exception as exc:  # noqa: BLE001 - keep the gathered state: it is checkpointed now and reloaded on recovery
+            self.layout, self.loaded, self._kept = None, False, states
+            self.ctx.log.event("pipeline_handoff", node=event.node_id, done=False, reason=f"{type(exc).__name__}: {exc}"[:300])
+            return True
         self.ctx.log.event("pipeline_handoff", node=event.node_id, done=True, stages_before=before, stages=self.layout.sched.p,
                            seconds_left=event.seconds_left())
         return False
@@ -313,7 +322,7 @@ class PipelineLMWorkload:
     def step(self, step: int) -> dict[str, Any]:
         c = self.config
         if self.layout is None:
-            raise RuntimeError("pipeline_lm: no layout; the stages were lost and no checkpoint was loaded into their replacements")
+            raise PoolError("pipeline_lm: no layout (stages lost, or a hand-off that failed): recovering from the last checkpoint")
         self._maybe_grow()
         lay = self.layout
         batches = []

@@ -417,7 +417,7 @@ class Driver:
         for ev in events:
             self._ctx.log.event(type(ev).__name__, node=ev.node_id, market=ev.market, deadline=getattr(ev, "deadline", None))
             if isinstance(ev, NodeLeaving):
-                self._leaving[ev.node_id] = ev.deadline if ev.deadline is not None else time.time() + LEAVING_GRACE_S
+                self._leaving[ev.node_id] = ev.deadline if ev.deadline is not None else time.time()
             if isinstance(ev, NodeLost):
                 self._leaving.pop(ev.node_id, None)
                 for pool in pools.values():
@@ -425,15 +425,18 @@ class Driver:
                         pool.evacuate(ev.node_id, "node lost")
             if isinstance(ev, NodeLeaving):
                 for name, pool in pools.items():
-                    if not pool.status().nodes.get(ev.node_id, 0):
-                        continue
-                    if name in stateful_roles:
-                        notice = True  # checkpoint now; the actor is replaced on recovery
-                    else:
+                    if name not in stateful_roles and pool.status().nodes.get(ev.node_id, 0):
                         pool.evacuate(ev.node_id, "preemption notice")
             handler = getattr(self.workload, "on_event", None)
             if handler is not None:
-                notice = bool(handler(ev)) or notice
+                try:
+                    notice = bool(handler(ev)) or notice
+                except Exception as exc:  # noqa: BLE001 - a reaction that failed must not drop the other events
+                    log.warning("workload's on_event(%s) failed: %s", type(ev).__name__, exc)
+                    self._ctx.log.event("on_event_failed", node=ev.node_id, error=str(exc)[:500])
+                    notice = True
+            if isinstance(ev, NodeLeaving) and any(pool.status().nodes.get(ev.node_id, 0) for name, pool in pools.items() if name in stateful_roles):
+                notice = True  # stateful actors the workload did not move: checkpoint now; they are replaced on recovery
         self._ctx.cluster = self._cluster_source()
         if any(isinstance(e, (NodeJoined, NodeLost)) for e in events):
             self._rescale(pools)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -267,7 +268,7 @@ def test_preemption_notice_for_a_stateful_node_checkpoints_at_once(tmp_path):
     from raylane.preemption import NodeLost
 
     w = WithPools()
-    events = ScriptedEvents(6, [NodeLeaving("od-node", "on-demand", None), NodeLeaving("spot-node", "spot", 30.0)], w,
+    events = ScriptedEvents(6, [NodeLeaving("od-node", "on-demand", None), NodeLeaving("spot-node", "spot", time.time() + 30.0)], w,
                             later={9: [NodeLost("od-node", "on-demand")]})
     d = Driver(w, DriverConfig(runs_dir=str(tmp_path), run_name="r", max_steps=14, checkpoint_every_steps=5, progress=False, tensorboard=False),
                cluster_source=lambda: VIEW, event_source=events)
