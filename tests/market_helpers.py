@@ -20,3 +20,27 @@ def wait_all_free(timeout_s: float = 60.0) -> None:
 def by_name(market, name: str):
     """The market's node called ``name``."""
     return next(n for n in market.nodes.values() if n.name == name)
+
+
+def notice_then_remove(market, steps: list, log: list, *, notice_at: int, remove_at: int, notice_s: float = 2.0):
+    """The chaos schedule the parameter-server and XGBoost cases share, in a background
+    thread (returned, started): once ``len(steps)`` reaches ``notice_at``, the first spot
+    node by name is preempted with ``notice_s`` of notice; at ``remove_at`` the last one is
+    removed without notice; each comes back at once. What happened goes into ``log``."""
+    import threading
+
+    def run() -> None:
+        for at, pick, notice in ((notice_at, 0, True), (remove_at, -1, False)):
+            while len(steps) < at:
+                time.sleep(0.02)
+            victim = sorted(market.spot_nodes(), key=lambda n: n.name)[pick]
+            log.append(f"{'notice' if notice else 'remove'} {victim.name} at step {len(steps)}")
+            if notice:
+                market.preempt(victim, notice_s=notice_s)
+            else:
+                market.remove(victim)
+            market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t

@@ -5,7 +5,6 @@ counts equal the clocks run, whatever was lost and replayed."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from raylane.driver import Driver, DriverConfig
 from raylane.jobs.ps_ctr import PSCTRConfig, PSCTRWorkload
 from raylane.runlog import read_jsonl
 
-from market_helpers import wait_all_free  # tests/market_helpers.py
+from market_helpers import notice_then_remove, wait_all_free  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -60,22 +59,7 @@ def test_ps_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
     steps: list[int] = []
     log: list[str] = []
 
-    def schedule():
-        while len(steps) < 3:
-            time.sleep(0.02)
-        victim = sorted(market.spot_nodes(), key=lambda n: n.name)[0]
-        log.append(f"notice {victim.name} at step {len(steps)}")
-        market.preempt(victim, notice_s=2.0)
-        market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
-        while len(steps) < 6:
-            time.sleep(0.02)
-        victim = sorted(market.spot_nodes(), key=lambda n: n.name)[-1]
-        log.append(f"remove {victim.name} at step {len(steps)}")
-        market.remove(victim)
-        market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
-
-    t = threading.Thread(target=schedule, daemon=True)
-    t.start()
+    t = notice_then_remove(market, steps, log, notice_at=3, remove_at=6)
     summary, stats = run(make(tmp_path, "chaos"), slow=1.0, on_step=steps.append)
     t.join(timeout=120)
     assert len(log) == 2 and summary["state"] == "finished", (log, summary)

@@ -4,7 +4,6 @@ of rounds and is checkpointed, so a loss costs at most the chunk in flight."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload
 from raylane.runlog import read_jsonl
 
-from market_helpers import wait_all_free  # tests/market_helpers.py
+from market_helpers import notice_then_remove, wait_all_free  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -47,22 +46,7 @@ def test_xgboost_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
     workload.step = step
     log: list[str] = []
 
-    def schedule():
-        while len(steps) < 2:
-            time.sleep(0.02)
-        victim = sorted(market.spot_nodes(), key=lambda n: n.name)[0]
-        log.append(f"notice {victim.name} at step {len(steps)}")
-        market.preempt(victim, notice_s=2.0)
-        market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
-        while len(steps) < 4:
-            time.sleep(0.02)
-        victim = sorted(market.spot_nodes(), key=lambda n: n.name)[-1]
-        log.append(f"remove {victim.name} at step {len(steps)}")
-        market.remove(victim)
-        market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
-
-    t = threading.Thread(target=schedule, daemon=True)
-    t.start()
+    t = notice_then_remove(market, steps, log, notice_at=2, remove_at=4)
     summary = Driver(workload, conf.driver).run()
     t.join(timeout=120)
     assert len(log) == 2 and summary["state"] == "finished", (log, summary)
