@@ -5,7 +5,9 @@ torch-sparse, which are not installable from the package index for every platfor
 its distributed sampler is deprecated. The algorithm is the standard GraphSAGE one:
 hop 1 samples up to ``fanouts[0]`` in-neighbours of every seed, hop ``h`` samples up to
 ``fanouts[h-1]`` in-neighbours of the nodes that hop ``h-1`` added, all without
-replacement. One numpy pass per hop, never a Python loop per node.
+replacement. A few vectorised numpy passes per hop (one per sampled neighbour for the
+nodes with more neighbours than the fan-out, see :func:`sample_offsets`), never a
+Python loop per node.
 """
 
 from __future__ import annotations
@@ -52,34 +54,20 @@ def sample_subgraph(
         raise ValueError("seeds contain duplicates")
     local[seeds] = np.arange(len(seeds))
     parts, srcs, dsts = [seeds], [], []
+    dirty = []  # entries of `local` written outside `parts`, reset on the way out
     n_nodes, edges_per_hop = [len(seeds)], []
     frontier, total = seeds, len(seeds)
     try:
         for fan in fanouts:
             start = indptr[frontier]
-            deg = indptr[frontier + 1] - start
-            take = np.minimum(deg, fan)
-            row_start = np.zeros(len(frontier) + 1, dtype=np.int64)
-            np.cumsum(deg, out=row_start[1:])
-            cand = int(row_start[-1])
-            if cand == 0:
+            rows, offsets = sample_offsets(indptr[frontier + 1] - start, fan, rng)
+            if len(rows) == 0:
                 n_nodes.append(0)
                 edges_per_hop.append(0)
                 frontier = frontier[:0]
                 continue
-            row_of = np.repeat(np.arange(len(frontier)), deg)
-            rank = np.arange(cand) - row_start[row_of]
-            if bool((deg > fan).any()):
-                # Random keys grouped by row: sorting row + U[0,1) keeps every row's
-                # candidates together and in random order; the first `take` of each row
-                # are a uniform sample without replacement.
-                order = np.argsort(row_of + rng.random(cand), kind="stable")
-                chosen = order[rank < take[row_of]]
-            else:
-                chosen = np.arange(cand)
-            rows = row_of[chosen]
-            nbr = indices[start[rows] + rank[chosen]]
-            new = np.unique(nbr[local[nbr] < 0])
+            nbr = indices[start[rows] + offsets]
+            new = first_seen(nbr[local[nbr] < 0], local, dirty)
             local[new] = np.arange(total, total + len(new))
             total += len(new)
             srcs.append(local[nbr])
@@ -90,7 +78,7 @@ def sample_subgraph(
             frontier = new
         n_id = np.concatenate(parts)
     finally:
-        for p in parts:
+        for p in parts + dirty:
             local[p] = -1
     # Local ids fit in int32 (a batch never holds 2^31 nodes), and so do global ids of a
     # graph under 2^31 nodes: half the bytes to ship.
@@ -103,6 +91,51 @@ def sample_subgraph(
         "num_sampled_nodes": np.asarray(n_nodes, dtype=np.int64),
         "num_sampled_edges": np.asarray(edges_per_hop, dtype=np.int64),
     }
+
+
+def sample_offsets(deg: np.ndarray, fan: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """For every row ``i`` with ``deg[i]`` candidates, ``min(deg[i], fan)`` distinct offsets
+    in ``[0, deg[i])``, a uniform sample without replacement. Returns ``(rows, offsets)``,
+    one entry per sampled edge.
+
+    Rows with at most ``fan`` candidates take them all. The others run Floyd's algorithm
+    in lock-step: ``fan`` vectorised steps over all such rows (step ``s`` draws ``t`` in
+    ``[0, d - fan + s]`` and keeps ``t``, or ``d - fan + s`` when ``t`` is already
+    taken), which gives every ``fan``-subset the same probability. Its cost grows with
+    rows x fan^2, not with the candidates: against random keys sorted per row it does
+    not touch the ~20 candidates of every row it will not take."""
+    deg = np.asarray(deg, dtype=np.int64)
+    full = np.flatnonzero(deg <= fan)
+    big = np.flatnonzero(deg > fan)
+    d_full = deg[full]
+    rows_full = np.repeat(full, d_full)
+    seg_start = np.cumsum(d_full) - d_full
+    off_full = np.arange(len(rows_full)) - np.repeat(seg_start, d_full)
+    if len(big) == 0:
+        return rows_full, off_full
+    d = deg[big]
+    picked = np.empty((fan, len(big)), dtype=np.int64)  # one row per step: contiguous compares
+    taken = np.empty(len(big), dtype=bool)
+    for step in range(fan):
+        j = d - fan + step
+        t = rng.integers(0, j + 1)
+        taken[:] = False
+        for earlier in picked[:step]:
+            taken |= earlier == t
+        picked[step] = np.where(taken, j, t)
+    return np.concatenate([rows_full, np.tile(big, fan)]), np.concatenate([off_full, picked.ravel()])
+
+
+def first_seen(nodes: np.ndarray, scratch: np.ndarray, dirty: list) -> np.ndarray:
+    """The distinct values of ``nodes`` (each once, in a fixed order for the same input)
+    without sorting: every value's slot in ``scratch`` takes the position of one of its
+    occurrences, and the occurrences that find their own position there are kept. The
+    slots written are appended to ``dirty`` for the caller to reset. Linear, where
+    ``np.unique`` sorts."""
+    pos = np.arange(len(nodes))
+    dirty.append(nodes)
+    scratch[nodes] = pos
+    return nodes[scratch[nodes] == pos]
 
 
 # ----------------------------------------------------------------------------- epochs

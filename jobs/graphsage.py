@@ -250,6 +250,7 @@ class GraphSAGEWorkload:
             "train_acc": sum(s["correct"] for s in stats) / max(1, seeds),
             "seeds_per_s": seeds / max(elapsed, 1e-9),
             "sample_wait_s": wait_s,
+            "train_s": sum(s["train_s"] for s in stats),  # the trainer's compute on the step's batches
             "train_wait_s": train_wait,
             "nodes_per_batch": float(np.mean([s["nodes"] for s in stats])),
             "samplers": len(self.samplers.actors()),

@@ -122,3 +122,33 @@ def test_a_restarted_driver_resumes_at_its_epoch_and_position(reference, tmp_pat
     assert [r["batches"] for r in rows if r["step"] == 6][-1] == stopped_at + 4  # went on from the position
     # The very run the reference made: same model, optimizer, random state and position.
     assert s2["final_metrics"]["test_acc"] == reference["test_acc"] and s2["final_metrics"]["loss"] == reference["loss"]
+
+
+def test_a_sampler_actor_making_two_batches_at_once_makes_the_in_process_ones(ray_local):
+    import numpy as np
+    import ray
+
+    from raylane.actors.gnn_sampler import GNNSampler, GNNSamplerActor, SamplerConfig
+    from raylane.actors.graph import sbm_graph, to_shared
+
+    graph = to_shared(sbm_graph(3000, seed=3), 2, seed=3)
+    sc = SamplerConfig((5, 3), 125, seed=3)
+    actor = GNNSamplerActor.options(num_cpus=0).remote(sc, ray.put(graph))
+    try:
+        # Every call in flight at once: the actor runs two at a time, each with its own scratch.
+        keys = [(e, p, i) for e in (0, 1) for p in (0, 1) for i in range(5)]
+        got = ray.get([actor.batch.remote(*k) for k in keys], timeout=120)
+        local = GNNSampler(sc, graph)
+        for k, b in zip(keys, got):
+            want = local.batch(*k)
+            assert tuple(b["key"]) == k
+            for name in ("n_id", "edge_index", "x", "y"):
+                assert np.array_equal(b[name], want[name]), (k, name)
+        # sample() walks its home part under a lock: one epoch's batches cover its seeds once.
+        home = graph.train_seeds[0]
+        n = -(-len(home) // sc.batch_size)
+        seeds = np.concatenate([b["n_id"][: b["batch_size"]] for b in ray.get([actor.sample.remote() for _ in range(n)], timeout=120)])
+        assert np.array_equal(np.sort(seeds), home)
+        assert ray.get(actor.info.remote(), timeout=30)["batches"] == len(keys)
+    finally:
+        ray.kill(actor)

@@ -10,7 +10,7 @@ from raylane import config as cfg
 from raylane.actors.gnn_sampler import GNNSampler, SamplerConfig, make_batch
 from raylane.actors.graph import GraphError, csr_in, load_graph, make_data, partition, save_graph, sbm_graph, to_shared, validate_graph
 from raylane.actors.sage import GNNTrainer, TrainerConfig, train_mlp_baseline
-from raylane.actors.sampling import batch_rng, batch_seeds, check_fanouts, epoch_plan, sample_subgraph
+from raylane.actors.sampling import batch_rng, batch_seeds, check_fanouts, epoch_plan, first_seen, sample_offsets, sample_subgraph
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -85,6 +85,41 @@ def test_sampling_is_uniform_over_neighbours(digraph):
     expected = trials * 5 / deg
     chi2 = float((((freq * trials) - expected) ** 2 / expected).sum())
     assert freq.min() > 0 and chi2 < (deg - 1) + 5 * np.sqrt(2 * (deg - 1)), chi2
+
+
+def test_every_subset_of_neighbours_is_equally_likely():
+    # 12,000 rows of 6 candidates sampled 3 at a time in one vectorised call (rows with
+    # fewer candidates than the fan-out mixed in): all C(6, 3) = 20 subsets should turn up
+    # 600 times each, give or take chance.
+    from itertools import combinations
+
+    deg = np.tile([6, 2, 0, 3], 12_000)
+    rows, offsets = sample_offsets(deg, 3, np.random.default_rng(1))
+    assert np.array_equal(np.bincount(rows, minlength=len(deg)), np.minimum(deg, 3))
+    assert (offsets >= 0).all() and (offsets < deg[rows]).all()
+    order = np.lexsort((offsets, rows))
+    rows, offsets = rows[order], offsets[order]
+    big = deg[rows] == 6
+    triples = offsets[big].reshape(-1, 3)
+    assert (np.diff(triples, axis=1) > 0).all()  # distinct within a row
+    index = {c: i for i, c in enumerate(combinations(range(6), 3))}
+    counts = np.bincount([index[tuple(t)] for t in triples.tolist()], minlength=20)
+    expected = len(triples) / 20
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert counts.min() > 0 and chi2 < 19 + 5 * np.sqrt(2 * 19), (chi2, counts)
+    small = ~big
+    assert np.array_equal(offsets[small], np.concatenate([np.arange(min(d, 3)) for d in deg if d != 6]))
+
+
+def test_first_seen_keeps_each_value_once_and_marks_what_it_wrote():
+    scratch = np.full(50, -1, dtype=np.int64)
+    dirty = []
+    nodes = np.array([7, 3, 7, 9, 3, 3, 40])
+    got = first_seen(nodes, scratch, dirty)
+    assert sorted(got.tolist()) == [3, 7, 9, 40]
+    assert np.array_equal(got, first_seen(nodes, np.full(50, -1, dtype=np.int64), []))  # same input, same order
+    scratch[np.concatenate(dirty)] = -1
+    assert (scratch == -1).all()
 
 
 def test_same_key_gives_the_same_batch_and_another_key_another(digraph):
