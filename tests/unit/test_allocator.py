@@ -10,7 +10,7 @@ import pytest
 
 from raylane.actors.allocator import MMAP_THRESHOLD_MAX, keep_freed_memory
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 # A batch-shaped allocation pattern: a 6 MiB feature array and 16 MiB of smaller
 # temporaries, all freed at the end of the call. glibc's adaptive thresholds settle at
