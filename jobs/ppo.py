@@ -4,7 +4,8 @@ Each iteration: the newest weights go out once through the object store with the
 ``sample`` calls, every ready rollout worker samples ``rollout_steps`` steps of each
 of its env copies, the iteration goes on with the samples of the workers that
 answered by the deadline (a worker lost mid-iteration costs its samples, never a
-stall), and the learner runs several epochs of PPO on them.
+stall; when every worker was lost, their replacements sample again), and the learner
+runs several epochs of PPO on them.
 """
 
 from __future__ import annotations
@@ -185,27 +186,43 @@ class PPOWorkload:
 
     # ---------------------------------------------------------------- one iteration
 
-    def _submit_samples(self) -> list[int]:
+    def _submit_samples(self, timeout_s: float) -> list[int]:
         assert self.workers is not None
         c = self.config
         ready = len(self.workers.actors())
         if ready == 0:
-            self.workers.wait_ready(timeout_s=c.sample_timeout_s)
+            self.workers.wait_for(1, timeout_s=max(timeout_s, 0.01))  # not the full target: capacity may be gone
             ready = len(self.workers.actors())
         return [self.workers.submit("sample", self._weights_ref, c.rollout_steps, retry=False) for _ in range(ready)]
+
+    def _sample(self) -> tuple[list[dict], int]:
+        """This iteration's samples and how many calls brought none. When every call was
+        lost with its worker (all of them sat on a spot node that just went), the
+        replacements sample again with the same weights until the deadline: the learner's
+        state is untouched, so failing the step (and rolling back to the checkpoint)
+        would only throw away steps."""
+        assert self.workers is not None
+        c = self.config
+        deadline = time.monotonic() + c.sample_timeout_s
+        tickets = self._inflight or self._submit_samples(c.sample_timeout_s)
+        self._inflight = None
+        missed = 0
+        while True:
+            done = self.workers.gather(tickets, timeout_s=max(0.0, deadline - time.monotonic()), partial=True)
+            missed += len(tickets) - len(done)
+            if done:
+                return [done[t] for t in tickets if t in done], missed
+            if not self.workers.lost() or time.monotonic() >= deadline:
+                raise PoolError(f"no rollout worker returned samples within sample_timeout_s={c.sample_timeout_s:g} s")
+            tickets = self._submit_samples(deadline - time.monotonic())
 
     def step(self, step: int) -> dict[str, Any]:
         assert self.workers is not None and self.learner is not None and self._ctx is not None
         c = self.config
         t0 = time.perf_counter()
-        tickets = self._inflight or self._submit_samples()
-        self._inflight = None
-        done = self.workers.gather(tickets, timeout_s=c.sample_timeout_s, partial=True)
-        if not done:
-            raise PoolError(f"no rollout worker returned samples within sample_timeout_s={c.sample_timeout_s:g} s")
-        batches = [done[t] for t in tickets if t in done]
-        if c.overlap:
-            self._inflight = self._submit_samples()
+        batches, missed = self._sample()
+        if c.overlap and self.workers.actors():  # none ready: the next step waits for one instead
+            self._inflight = self._submit_samples(c.sample_timeout_s)
         t1 = time.perf_counter()
         new_steps = 0
         for b in batches:
@@ -229,7 +246,7 @@ class PPOWorkload:
             "return_mean": float(np.mean(self.returns)) if self.returns else float("nan"),
             "episodes": self.episodes,
             "workers": len(batches),
-            "lost_batches": len(tickets) - len(batches),
+            "lost_batches": missed,
             "sample_s": t1 - t0,
             "learn_s": t2 - t1,
             **{k: v for k, v in stats.items() if k != "applied"},

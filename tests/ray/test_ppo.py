@@ -79,6 +79,37 @@ def test_a_rollout_worker_killed_mid_iteration_costs_only_its_samples(ray_local,
     assert rows[-1]["env_steps"] >= 300_000
 
 
+def test_every_rollout_worker_killed_mid_iteration_is_sampled_again_without_a_rollback(ray_local, tmp_path):
+    workload, driver = make(tmp_path, "allkill", rollout_steps=800, total_env_steps=120_000, target_return=None, sample_timeout_s=60)
+    steps = []
+    original = workload.step
+    workload.step = lambda i: (steps.append(i), original(i))[1]
+    killed = []
+
+    def kill():
+        while len(steps) < 2:
+            time.sleep(0.02)
+        pids = [info["pid"] for info in workload.workers.call_all("info", timeout_s=30)]
+        while len(steps) < 5:
+            time.sleep(0.01)
+        time.sleep(0.15)  # inside iteration 5's sampling: both workers are busy
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    summary = driver.run()
+    t.join(timeout=30)
+    assert len(killed) == 2
+    assert summary["state"] == "finished" and summary["failures_recovered"] == 0  # no rollback to the checkpoint
+    rows = read_jsonl(tmp_path / "allkill" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    hit = [r for r in rows if r["lost_batches"] > 0]
+    assert hit and hit[0]["workers"] >= 1 and hit[0]["lost_batches"] >= 2, [(r["step"], r["workers"], r["lost_batches"]) for r in rows]
+    assert rows[-1]["env_steps"] >= 120_000
+
+
 def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_local, tmp_path):
     workload, driver = make(tmp_path, "learnerkill", total_env_steps=40_000, target_return=None, driver={"checkpoint_every_steps": 5})
     steps = []
