@@ -40,6 +40,10 @@ def test_pipeline_shrinks_to_the_stages_that_fit_and_grows_back_with_exact_weigh
         seen.append(i)
         if i == 24:  # hold the run until capacity is back, so the regrowth is observed
             assert node_back.wait(timeout=120)
+        if i == 30:  # and until the stage actor on the returned node is up (a slow start must not end the run first)
+            deadline = time.monotonic() + 120
+            while len(workload.pool.actors()) < conf.stages and time.monotonic() < deadline:
+                workload.pool.poll(0.2)
         return original(i)
 
     workload.step = step

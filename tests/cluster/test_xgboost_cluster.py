@@ -71,7 +71,12 @@ def test_spot_trainers_shard_by_speed_and_survive_a_node_removed_mid_chunk(spot_
     assert removed == [fast.node_id]
 
     assert summary["state"] == "finished" and summary["failures_recovered"] == 1, summary
-    assert [e["round"] for e in events if e["event"] == "xgboost_resume"] == [10]
+    # It resumes from the last checkpoint before the failure: round 10, or round 20 when the
+    # streamed chunk 11-20 was already home before the node went (timing of a loaded machine).
+    failure = next(i for i, e in enumerate(events) if e["event"] == "failure")
+    ckpts = [e["step"] for e in events[:failure] if e["event"] == "checkpoint"]
+    resumes = [e["round"] for e in events if e["event"] == "xgboost_resume"]
+    assert len(resumes) == 1 and resumes[0] in (10, 20) and resumes[0] == ckpts[-1] * 10, (resumes, ckpts)
     regroup = [e for e in events if e["event"] == "xgboost_group"][-1]
     assert regroup["loaded"] == [0] and regroup["kept"] == [1]  # only the lost shard was read again
     assert regroup["nodes"]["0"] != fast.node_id
