@@ -13,6 +13,7 @@ import io
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,10 +42,33 @@ class SAGE(nn.Module):
         self.convs = nn.ModuleList(SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, edge_index, hops: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
+        """Outputs of every node of ``x``; or, given ``hops`` = (nodes added per hop, seeds
+        first; edges per hop) of a sampled batch laid out hop by hop, of its seeds only."""
+        if hops is not None:
+            return self._forward_hops(x, edge_index, *hops)
         for i, conv in enumerate(self.convs):
             x = conv(x, edge_index)
             if i < len(self.convs) - 1:
+                x = F.dropout(F.relu(x), p=self.dropout, training=self.training)
+        return x
+
+    def _forward_hops(self, x: torch.Tensor, edge_index: torch.Tensor, nodes: Sequence[int], edges: Sequence[int]) -> torch.Tensor:
+        # Layer i only needs outputs for the nodes within L-1-i hops of the seeds, and only
+        # the edges into them (a prefix of the hop-ordered edge list), so each layer runs
+        # SAGEConv on (sources, targets) with the targets a prefix of the sources. The
+        # outermost hop holds most of a batch's nodes and gets no output at all. Written
+        # here because PyG's trim_to_layer still runs the first layer over every node.
+        L = len(self.convs)
+        if len(nodes) != L + 1 or len(edges) != L:
+            raise ValueError(f"a batch sampled with {len(edges)} fan-outs ({len(nodes)} node counts) cannot feed a model of {L} layers: give one fan-out per layer")
+        upto_n, upto_e = np.cumsum(nodes).tolist(), np.cumsum(edges).tolist()
+        if upto_n[-1] != x.shape[0] or upto_e[-1] != edge_index.shape[1]:
+            raise ValueError(f"hop counts cover {upto_n[-1]} nodes and {upto_e[-1]} edges; the batch has {x.shape[0]} and {edge_index.shape[1]}")
+        for i, conv in enumerate(self.convs):
+            n_dst, n_e = upto_n[L - 1 - i], upto_e[L - 1 - i]
+            x = conv((x, x[:n_dst]), edge_index[:, :n_e], size=(x.shape[0], n_dst))
+            if i < L - 1:
                 x = F.dropout(F.relu(x), p=self.dropout, training=self.training)
         return x
 
@@ -112,7 +136,8 @@ class GNNTrainer:
         self.batches = 0
 
     def train(self, batch: dict) -> dict:
-        """One optimizer step on one batch; the loss and accuracy on its seeds."""
+        """One optimizer step on one batch (as :func:`raylane.actors.gnn_sampler.make_batch`
+        returns it); the loss and accuracy on its seeds."""
         t0 = time.perf_counter()
         self.model.train()
         dev = self.device
@@ -120,7 +145,10 @@ class GNNTrainer:
         ei = torch.as_tensor(batch["edge_index"]).to(dev, torch.int64)
         y = torch.as_tensor(batch["y"]).to(dev)
         bs = int(batch["batch_size"])
-        out = self.model(x, ei)[:bs]
+        missing = [k for k in ("num_sampled_nodes", "num_sampled_edges") if k not in batch]
+        if missing:
+            raise ValueError(f"batch {batch.get('key')} lacks {missing}: train on batches as make_batch returns them (hop by hop, with the per-hop counts)")
+        out = self.model(x, ei, (batch["num_sampled_nodes"], batch["num_sampled_edges"]))
         loss = F.cross_entropy(out, y)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} on batch {batch.get('key')}: lower lr (now {self.config.lr}) or check the features for huge values")

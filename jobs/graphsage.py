@@ -173,7 +173,9 @@ class GraphSAGEWorkload:
         self._graph_ref = ray.put(self.graph)
         roles = {r.name: r for r in self.roles()}
         tc = self._trainer_config()
-        self.trainer = ActorPool(roles[TRAINER], GNNTrainerActor, actor_args=lambda key: ((tc, self._graph_ref), {}), size=1, call_timeout_s=c.batch_timeout_s)
+        # Two train calls at the trainer: the next batch starts the moment one is done,
+        # not after a round trip through the driver (which shares a core with the samplers).
+        self.trainer = ActorPool(roles[TRAINER], GNNTrainerActor, actor_args=lambda key: ((tc, self._graph_ref), {}), size=1, call_timeout_s=c.batch_timeout_s, queue_depth=2)
         size = max(1, min(c.samplers, ctx.count(SAMPLERS)))
         self.samplers = ActorPool(roles[SAMPLERS], GNNSamplerActor, actor_args=self._sampler_args, size=size, call_timeout_s=c.batch_timeout_s, on_timeout="retry")
         self.trainer.wait_ready(timeout_s=180)
@@ -205,15 +207,16 @@ class GraphSAGEWorkload:
             raise PoolError(f"expected one trainer to answer {method!r}, got {len(results)}")
         return results[0]
 
-    def _await(self, pool: ActorPool, ticket: int, *, other: ActorPool) -> Any:
-        """The result of ``ticket``, keeping ``other`` moving meanwhile: samplers go on
-        prefetching while the trainer computes, and the trainer gets its next queued
-        batch the moment it finishes one while the driver waits for a sample."""
+    def _await(self, pool: ActorPool, ticket: int, *, other: ActorPool, ref: bool = False) -> Any:
+        """The result of ``ticket`` (with ``ref``: and its ObjectRef), keeping ``other``
+        moving meanwhile: samplers go on prefetching while the trainer computes, and the
+        trainer gets its next queued batch the moment it finishes one while the driver
+        waits for a sample."""
         deadline = time.monotonic() + self.config.batch_timeout_s
         while not pool.finished(ticket) and time.monotonic() < deadline:
             other.poll(0.0)
             pool.poll(0.005)
-        return pool.gather([ticket], timeout_s=max(0.0, deadline - time.monotonic()))[ticket]
+        return pool.gather([ticket], timeout_s=max(0.0, deadline - time.monotonic()), refs=ref)[ticket]
 
     def step(self, step: int) -> dict[str, Any]:
         assert self.samplers is not None and self.trainer is not None and self._ctx is not None
@@ -222,22 +225,26 @@ class GraphSAGEWorkload:
         epoch, pos = divmod(self.cursor, len(self.plan))
         end = self.cursor + min(c.batches_per_step, len(self.plan) - pos)  # a step never crosses an epoch end
         wait_s = 0.0
-        train_tickets = []
+        train_tickets, held = [], []
         for b in range(self.cursor, end):
             self._fill(b)
             tw = time.perf_counter()
-            batch = self._await(self.samplers, self._inflight.pop(b), other=self.trainer)
+            batch, ref = self._await(self.samplers, self._inflight.pop(b), other=self.trainer, ref=True)
             wait_s += time.perf_counter() - tw
             part, index = self.plan[b % len(self.plan)]
             if tuple(batch["key"]) != (epoch, part, index):
                 raise RuntimeError(f"sampler returned batch {batch['key']} for {(epoch, part, index)}")
             np.add.at(self.coverage, batch["n_id"][: batch["batch_size"]], 1)
-            # Into the object store now, while the trainer is busy, so starting the call
-            # (queued behind the trainer's current one) passes a reference, not 10+ MB.
-            train_tickets.append(self.trainer.submit("train", ray.put(_strip(batch)), retry=False))
+            # The trainer reads the sampler's result where it lies: no second copy of 10+ MB
+            # through the object store, whose memory traffic slowed the trainer's compute
+            # on the next core. Holding the batch here pins its copy on this node until
+            # the trainer has read it, so a sampler's node going away cannot take it along.
+            train_tickets.append(self.trainer.submit("train", ref, retry=False))
+            held.append(batch)
             self._fill(b + 1)
         tw = time.perf_counter()
         results = {t: self._await(self.trainer, t, other=self.samplers) for t in train_tickets}
+        del held
         train_wait = time.perf_counter() - tw
         stats = [results[t] for t in train_tickets]
         self.cursor = end
@@ -326,11 +333,6 @@ class GraphSAGEWorkload:
             if pool is not None:
                 pool.shutdown()
         self.samplers = self.trainer = None
-
-
-def _strip(batch: dict) -> dict:
-    """Only what the trainer reads travels to it."""
-    return {k: batch[k] for k in ("x", "edge_index", "y", "batch_size", "key")}
 
 
 JOB = JobSpec("graphsage", "GraphSAGE on mini-batches from sampler actors over a METIS-partitioned graph; samplers on spot, trainer on demand.", GraphSAGEConfig, GraphSAGEWorkload)

@@ -5,8 +5,10 @@ A pool lives in the driver process and owns its actors (they are created with
 submitted as tickets; each ticket runs on one actor at a time and its result is
 recorded exactly once. When an actor dies (its process killed, its node removed) the
 pool evicts it, starts a replacement on a node that fits the role now, and puts the
-dead actor's in-flight ticket back in the queue (or reports it lost, for tickets
-submitted with ``retry=False``). The other actors keep working throughout.
+dead actor's in-flight tickets back in the queue (or reports them lost, for tickets
+submitted with ``retry=False``). The other actors keep working throughout. An actor
+holds one call at a time, or up to ``queue_depth`` (the next ones waiting in its own
+queue, so it never idles for a round trip through the pool's process).
 
 No wait is unbounded: each call has ``call_timeout_s`` and each gather a deadline,
 and both raise errors that name the actor, its node and the method.
@@ -114,12 +116,17 @@ class _Member:
     ticket: int | None = None
     ref: Any = None
     call_started: float = 0.0
+    queued: list = field(default_factory=list)  # (ticket, ref) sent behind the running call
     busy_s: float = 0.0
     resources: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return f"#{self.key}@{self.node_id[:8]}"
+
+    def held(self) -> list[int]:
+        """Tickets this actor holds: the running call, then those queued behind it."""
+        return ([] if self.ticket is None else [self.ticket]) + [t for t, _ in self.queued]
 
 
 @dataclass
@@ -133,6 +140,7 @@ class _Ticket:
     done: bool = False
     lost: str | None = None
     result: Any = None
+    ref: Any = None  # the ObjectRef the result was read from
     error: str | None = None
     actor: str | None = None
 
@@ -165,6 +173,7 @@ class ActorPool:
         max_attempts: int = 3,
         max_start_failures: int = 3,
         start_timeout_s: float = 180.0,
+        queue_depth: int = 1,
     ):
         """Start ``size`` actors (default: the role's ``hi``) of ``actor_cls`` (a ``ray.remote`` class).
 
@@ -172,6 +181,10 @@ class ActorPool:
         a number unique within the pool, so replacements get fresh seeds. ``on_timeout``
         is ``raise`` (kill the stuck actor and raise :class:`CallTimeoutError`) or
         ``retry`` (kill it and run the ticket elsewhere, up to ``max_attempts``).
+        ``queue_depth`` is how many calls an actor holds at once: with 2 or more, the
+        next calls wait in the actor's own queue (their arguments fetched meanwhile) and
+        start the moment the running one returns, with no round trip through this
+        process; every call held by an actor that dies is retried or lost with it.
         """
         if on_timeout not in ("raise", "retry"):
             raise ValueError(f"on_timeout must be 'raise' or 'retry', got {on_timeout!r}")
@@ -179,6 +192,9 @@ class ActorPool:
             raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if not isinstance(queue_depth, int) or queue_depth < 1:
+            raise ValueError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
+        self.queue_depth = queue_depth
         self.role = role
         self._cls = actor_cls
         self._args = actor_args or (lambda key: ((), {}))
@@ -234,7 +250,7 @@ class ActorPool:
             self._dispatch()  # start now on an idle actor: work must not wait for the next gather
             return tid
 
-    def gather(self, tickets: Iterable[int], *, timeout_s: float, partial: bool = False) -> dict[int, Any]:
+    def gather(self, tickets: Iterable[int], *, timeout_s: float, partial: bool = False, refs: bool = False) -> dict[int, Any]:
         """Wait for ``tickets``; returns {ticket: result}.
 
         With ``partial=False`` every ticket must finish by the deadline, else
@@ -242,10 +258,19 @@ class ActorPool:
         call returns at the deadline (or once nothing is left to wait for) with the
         tickets that finished; :meth:`lost` tells which were given up. Either way the
         tickets are done with afterwards: unfinished ones are dropped.
+
+        With ``refs=True`` each result comes as ``(value, ObjectRef)``: the reference can
+        go on to another actor's call without copying the result into the object store
+        again. Hold ``value`` until that call is done: it pins the copy on the caller's
+        node, which outlives the node of the actor that made the result.
         """
         tickets = list(tickets)
         try:
-            return self._gather(tickets, timeout_s, partial)
+            out = self._gather(tickets, timeout_s, partial)
+            if refs:
+                with self._lock:
+                    out = {t: (v, self._tickets[t].ref) for t, v in out.items()}
+            return out
         except PoolError as exc:
             exc.role = self.role.name
             raise
@@ -266,7 +291,7 @@ class ActorPool:
                         if t in self._queue:
                             self._queue.remove(t)
                             self._tickets[t].lost = "dropped after an error"
-                    running = {m.ticket for m in self._members.values()} & set(pending)
+                    running = {t for m in self._members.values() for t in m.held()} & set(pending)
                 if not running or time.monotonic() >= deadline:
                     grouped: dict[str, list[str]] = {}
                     for t in errors:
@@ -487,7 +512,7 @@ class ActorPool:
 
     def _describe_pending(self, pending: list[int], waited: float) -> str:
         lines = [f"pool {self.role.name!r}: {len(pending)} call(s) unfinished after {waited:.1f} s:"]
-        running = {m.ticket: m for m in self._members.values() if m.ticket is not None}
+        running = {t: m for m in self._members.values() for t in m.held()}
         for t in pending[:10]:
             tk = self._tickets[t]
             m = running.get(t)
@@ -541,7 +566,7 @@ class ActorPool:
 
     def _retire_idle(self, reason: str = "pool shrunk") -> None:
         for m in list(self._members.values()):
-            if m.retiring and m.ticket is None:
+            if m.retiring and m.ticket is None and not m.queued:
                 ray.kill(m.handle, no_restart=True)
                 del self._members[m.key]
                 self._evictions.append(Eviction(time.time(), m.name, m.node_id, reason))
@@ -560,8 +585,8 @@ class ActorPool:
                 ray.kill(m.handle, no_restart=True)
             except Exception:  # already gone
                 pass
-            if m.ticket is not None:
-                tk = self._tickets.get(m.ticket)
+            for tid in reversed(m.held()):  # requeued in their original order
+                tk = self._tickets.get(tid)
                 if tk is not None and not tk.done:
                     if tk.retry and tk.attempts < self.max_attempts:
                         self._queue.appendleft(tk.id)
@@ -569,19 +594,23 @@ class ActorPool:
                         tk.lost = f"{tk.method!r} on {m.name}: {reason}"
 
     def _dispatch(self) -> None:
-        idle = [m for m in self._members.values() if m.ready and not m.retiring and m.ticket is None]
-        idle.sort(key=lambda m: m.key)
-        while idle and self._queue:
+        # Idle actors first, then (with queue_depth > 1) the least loaded busy ones.
+        open_ = [m for m in self._members.values() if m.ready and not m.retiring and len(m.held()) < self.queue_depth]
+        while open_ and self._queue:
+            m = min(open_, key=lambda m: (len(m.held()), m.key))
             tid = self._queue.popleft()
             tk = self._tickets.get(tid)
             if tk is None or tk.done:
                 continue
-            m = idle.pop(0)
             tk.attempts += 1
             tk.actor = m.name
-            m.ticket = tid
-            m.call_started = time.monotonic()
-            m.ref = getattr(m.handle, tk.method).remote(*tk.args, **tk.kwargs)
+            ref = getattr(m.handle, tk.method).remote(*tk.args, **tk.kwargs)
+            if m.ticket is None:
+                m.ticket, m.ref, m.call_started = tid, ref, time.monotonic()
+            else:
+                m.queued.append((tid, ref))
+            if len(m.held()) >= self.queue_depth:
+                open_.remove(m)
 
     def _pump(self, wait_s: float) -> None:
         """One round: replace, dispatch, wait a little for anything to finish, handle it."""
@@ -652,10 +681,12 @@ class ActorPool:
                 return
             m.busy_s += time.monotonic() - m.call_started
             m.ticket, m.ref = None, None
+            if m.queued:  # the actor has started the next one already
+                (m.ticket, m.ref), m.call_started = m.queued.pop(0), time.monotonic()
             if tk is None or tk.done:
                 return  # forgotten ticket (its gather gave up)
             if failure is None:
-                tk.done, tk.result = True, value
+                tk.done, tk.result, tk.ref = True, value, ref
             else:
                 tk.error = _short(failure[1])
             if m.retiring:

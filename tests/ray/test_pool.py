@@ -189,3 +189,64 @@ def test_call_all_require_all_reports_an_actor_that_died(ray_local):
         assert len(pool.call_all("get_weights", timeout_s=30, require_all=True)) == 2
     finally:
         pool.shutdown()
+
+
+def test_gather_with_refs_hands_a_result_on_and_it_outlives_its_maker(ray_local):
+    makers, readers = make_pool(2), make_pool(1)
+    try:
+        t = makers.submit("square", 7, 0.0)
+        value, ref = makers.gather([t], timeout_s=60, refs=True)[t]
+        assert value[0] == 49 and ray.get(ref, timeout=30) == value
+        for pid in makers.call_all("pid", timeout_s=30):
+            os.kill(pid, signal.SIGKILL)  # the value held here keeps the result alive
+        r = readers.submit("set_weights", ref)
+        readers.gather([r], timeout_s=60)
+        assert readers.call_all("get_weights", timeout_s=30) == [value]  # the reader got the value, not the ref
+        t2 = makers.submit("square", 3, 0.0)
+        assert makers.gather([t2], timeout_s=60)[t2][0] == 9  # without refs=True: plain values
+    finally:
+        makers.shutdown()
+        readers.shutdown()
+
+
+def test_queued_calls_start_in_the_actor_without_the_caller_polling(ray_local):
+    pool = make_pool(1, lo=1, queue_depth=3)
+    try:
+        tickets = [pool.submit("square", i, 0.4) for i in range(3)]
+        time.sleep(1.5)  # no pool method runs meanwhile: only calls already at the actor can progress
+        done = pool.gather(tickets, timeout_s=0.3)
+        assert [done[t][0] for t in tickets] == [0, 1, 4]
+        flat = make_pool(1, lo=1)  # one call at a time: the second waits for the caller
+        try:
+            tickets = [flat.submit("square", i, 0.4) for i in range(3)]
+            time.sleep(1.5)
+            with pytest.raises(CallTimeoutError):
+                flat.gather(tickets, timeout_s=0.3)
+        finally:
+            flat.shutdown()
+        with pytest.raises(ValueError, match="queue_depth must be an integer >= 1, got 0"):
+            make_pool(1, queue_depth=0)
+    finally:
+        pool.shutdown()
+
+
+def test_calls_queued_at_a_killed_actor_are_retried_exactly_once(ray_local):
+    pool = make_pool(2, call_timeout_s=60, queue_depth=3)
+    try:
+        pids = pool.call_all("pid", timeout_s=30)
+        tickets = [pool.submit("square", i, 0.3) for i in range(18)]
+        killer = threading.Timer(0.5, lambda: os.kill(pids[0], signal.SIGKILL))
+        killer.start()
+        done = pool.gather(tickets, timeout_s=120)
+        killer.join()
+        assert [done[t][0] for t in tickets] == [i * i for i in range(18)]
+        assert len(pool.status().evictions) == 1
+        pool.wait_ready(timeout_s=60)
+        pids = pool.call_all("pid", timeout_s=30)  # asked first: a call queues behind those an actor holds
+        lost = [pool.submit("square", i, 0.5, retry=False) for i in range(6)]  # 3 held by each actor
+        time.sleep(0.3)
+        os.kill(pids[0], signal.SIGKILL)
+        got = pool.gather(lost, timeout_s=60, partial=True)
+        assert len(got) + len(pool.lost()) == 6 and len(pool.lost()) >= 2, (got, pool.lost())
+    finally:
+        pool.shutdown()

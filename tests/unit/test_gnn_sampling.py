@@ -9,7 +9,7 @@ import torch
 from raylane import config as cfg
 from raylane.actors.gnn_sampler import GNNSampler, SamplerConfig, make_batch
 from raylane.actors.graph import GraphError, csr_in, load_graph, make_data, partition, save_graph, sbm_graph, to_shared, validate_graph
-from raylane.actors.sage import GNNTrainer, TrainerConfig, train_mlp_baseline
+from raylane.actors.sage import SAGE, GNNTrainer, TrainerConfig, train_mlp_baseline
 from raylane.actors.sampling import batch_rng, batch_seeds, check_fanouts, epoch_plan, first_seen, sample_offsets, sample_subgraph
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -306,6 +306,33 @@ def test_graphsage_beats_the_features_only_mlp_in_process():
     acc = trainer.evaluate()["test_acc"]
     assert acc >= 0.9, acc
     assert acc >= mlp + 0.2, (acc, mlp)  # neighbourhoods carry what the features alone do not
+
+
+@pytest.mark.parametrize("fanouts", [(6,), (10, 5), (8, 4, 3)])
+def test_seeds_only_forward_equals_the_whole_batch_forward(fanouts):
+    # Each layer computes only the nodes the next one reads: the seeds' outputs and every
+    # gradient must be exactly those of running every layer over the whole batch.
+    torch.set_num_threads(1)
+    g = to_shared(sbm_graph(1500, seed=3), 2)
+    seeds = g.train_seeds[1][:96]
+    b = make_batch(g, seeds, fanouts, batch_rng(seed=0, epoch=0, part=1, index=0))
+    torch.manual_seed(0)
+    model = SAGE(g.x.shape[1], 32, g.num_classes, len(fanouts), dropout=0.0)
+    x, ei = torch.as_tensor(b["x"]).float(), torch.as_tensor(b["edge_index"]).long()
+    hops = (b["num_sampled_nodes"], b["num_sampled_edges"])
+    assert b["num_sampled_nodes"][-1] > 0  # the outermost hop is there to be left out
+    full, seeds_only = model(x, ei)[: len(seeds)], model(x, ei, hops)
+    assert seeds_only.shape == (len(seeds), g.num_classes)
+    assert torch.equal(full, seeds_only)
+    for a, c in zip(torch.autograd.grad(full.square().sum(), list(model.parameters())), torch.autograd.grad(seeds_only.square().sum(), list(model.parameters()))):
+        assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="one fan-out per layer"):
+        model(x, ei, (b["num_sampled_nodes"][:-1], b["num_sampled_edges"][:-1]))
+    with pytest.raises(ValueError, match="the batch has"):
+        model(x[:-1], ei, hops)
+    trainer = GNNTrainer(TrainerConfig(in_dim=g.x.shape[1], num_classes=g.num_classes, layers=len(fanouts)), g)
+    with pytest.raises(ValueError, match=r"lacks \['num_sampled_nodes', 'num_sampled_edges'\]"):
+        trainer.train({k: v for k, v in b.items() if not k.startswith("num_sampled")})
 
 
 def test_float16_features_halve_the_batch_and_train_like_float32():
