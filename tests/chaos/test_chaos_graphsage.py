@@ -24,11 +24,31 @@ def run(tmp_path, name: str, during=None) -> tuple[dict, GraphSAGEWorkload]:
     conf = cfg.load_config(GraphSAGEConfig, overrides=OVERRIDES + [f"driver.runs_dir={tmp_path}", f"driver.run_name={name}"])
     workload = GraphSAGEWorkload(conf)
     steps: list[int] = []
+    over = threading.Event()
     original = workload.step
-    workload.step = lambda i: (steps.append(i), original(i))[1]
+
+    def step(i):
+        # A step takes a fraction of a second here, so the run would end before the schedule
+        # plays out: while it runs, steps are paced, and the last step waits for its end.
+        steps.append(i)
+        if during is not None and workload.cursor + conf.batches_per_step >= workload.total_batches:
+            assert over.wait(timeout=180), "the spot schedule did not finish"
+        metrics = original(i)
+        if during is not None and not over.is_set():
+            time.sleep(0.25)
+        return metrics
+
+    workload.step = step
     thread = None
     if during is not None:
-        thread = threading.Thread(target=during, args=(steps,), daemon=True)
+
+        def play():
+            try:
+                during(steps)
+            finally:
+                over.set()
+
+        thread = threading.Thread(target=play, daemon=True)
         thread.start()
     summary = Driver(workload, conf.driver).run()
     if thread is not None:
