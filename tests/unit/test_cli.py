@@ -13,6 +13,14 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 runner = CliRunner()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_from_earlier_modules():
+    # A session-wide cluster fixture may leave this process connected; what is checked
+    # here is that the command line itself starts nothing.
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def invoke(*args: str):
     result = runner.invoke(app, list(args))
     assert not ray.is_initialized(), "bad input must be refused before Ray starts"
