@@ -81,27 +81,26 @@ def test_a_rollout_worker_killed_mid_iteration_costs_only_its_samples(ray_local,
 
 def test_every_rollout_worker_killed_mid_iteration_is_sampled_again_without_a_rollback(ray_local, tmp_path):
     workload, driver = make(tmp_path, "allkill", rollout_steps=800, total_env_steps=120_000, target_return=None, sample_timeout_s=60)
-    steps = []
-    original = workload.step
-    workload.step = lambda i: (steps.append(i), original(i))[1]
-    killed = []
+    original = workload._submit_samples
+    submissions, killed = [], []
 
-    def kill():
-        while len(steps) < 2:
-            time.sleep(0.02)
-        pids = [info["pid"] for info in workload.workers.call_all("info", timeout_s=30)]
-        while len(steps) < 5:
-            time.sleep(0.01)
-        time.sleep(0.15)  # inside iteration 5's sampling: both workers are busy
+    def submit_then_kill(timeout_s):
+        # Both workers are killed right after the fifth submission hands each of them a call:
+        # the two calls are lost together, so they are gathered (and found lost) in one step
+        # by construction, whatever the machine's speed. A call is 800 steps of 8 envs, far
+        # longer than the kill that follows its dispatch. Before the fifth submission the
+        # previous calls have all been gathered, so the workers are idle and answer at once.
+        pids = [info["pid"] for info in workload.workers.call_all("info", timeout_s=30)] if len(submissions) == 4 else []
+        tickets = original(timeout_s)
+        submissions.append(tickets)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
+        return tickets
 
-    t = threading.Thread(target=kill, daemon=True)
-    t.start()
+    workload._submit_samples = submit_then_kill
     summary = driver.run()
-    t.join(timeout=30)
-    assert len(killed) == 2
+    assert len(killed) == 2 and len(submissions[4]) == 2
     assert summary["state"] == "finished" and summary["failures_recovered"] == 0  # no rollback to the checkpoint
     rows = read_jsonl(tmp_path / "allkill" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
