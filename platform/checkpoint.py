@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -104,6 +105,18 @@ def _decode(obj, tensors: dict, blobs: dict):
     return {k: _decode(v, tensors, blobs) for k, v in obj.items()}
 
 
+def _refusal(exc: Exception) -> str:
+    """Why torch's weights-only loader refused a file, without its advice to retry with
+    ``weights_only=False`` (which would run the code it refused)."""
+    text = str(exc)
+    if m := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL)\s+([\w.]+)", text):
+        return f"it imports {m.group(1)}, which a tensor file never needs"
+    if m := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):
+        return m.group(1).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "weights_only" not in ln]
+    return lines[0] if lines else type(exc).__name__
+
+
 class CheckpointStore:
     def __init__(self, uri: str, keep: int = 3):
         """Open (and for local paths create) the store at ``uri``, keeping the newest ``keep``."""
@@ -119,6 +132,8 @@ class CheckpointStore:
         # step -> manifest "created" of checkpoints this store wrote or fully hashed, so that
         # pruning after each save need not re-hash gigabytes (it still checks sizes).
         self._hashed: dict[int, float] = {}
+        # step -> manifest "created" of checkpoints known to deserialise (written here or loaded)
+        self._loadable: dict[int, float] = {}
 
     def _dir(self, step: int) -> str:
         return f"{self.root}/{step:010d}"
@@ -175,14 +190,33 @@ class CheckpointStore:
         self._hashed[step] = info.created
         return info, data
 
-    def _newest(self, want: bool):
-        for step in sorted((s for s, m in self._scan().items() if m), reverse=True):
+    def _newest(self, load: bool):
+        """Newest checkpoint that is whole and loads: (info, state if ``load``). Every
+        checkpoint skipped on the way is warned about with its file and reason: a folder
+        without a manifest (deleted, or a save that never finished), a corrupted file, or a
+        tensor file that holds more than plain tensors. Returns (None, None, reasons) when
+        none is left."""
+        scan = self._scan()
+        reasons: list[str] = []
+        for step in sorted(scan, reverse=True):
             try:
-                return self._check(step, want=want)
+                if not scan[step]:
+                    raise self._bad(step, f"{MANIFEST} is missing (deleted, or a save that never finished)")
+                # A checkpoint this store did not write is deserialised once before it is
+                # called good: an intact file can still hold a refused pickle.
+                info, data = self._check(step, want=load or step not in self._loadable)
+                state = None
+                if load or self._loadable.get(step) != info.created:
+                    if not data:  # rewritten since it was last loaded: read it again
+                        info, data = self._check(step, want=True)
+                    state = self._deserialize(info, data)
+                self._loadable[step] = info.created
+                return info, state, reasons
             except CheckpointError as e:
+                reasons.append(str(e))
                 warnings.warn(f"skipping checkpoint: {e}", stacklevel=3)
                 log.warning("skipping checkpoint: %s", e)
-        return None, None
+        return None, None, reasons
 
     def _require(self, step, exists: bool = True) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**10:
@@ -202,7 +236,15 @@ class CheckpointStore:
 
     def latest(self) -> CheckpointInfo | None:
         """Newest valid checkpoint, skipping (with a warning) corrupted ones; None if none."""
-        return self._newest(want=False)[0]
+        return self._newest(load=False)[0]
+
+    def newest(self) -> tuple[CheckpointInfo | None, dict | None, list[str]]:
+        """(info, state) of the newest checkpoint that is whole and loads, with why each
+        newer one was skipped (also warned about); (None, None, reasons) when none loads.
+
+        >>> info, state, skipped = store.newest()
+        """
+        return self._newest(load=True)
 
     def save(self, step: int, state: dict) -> CheckpointInfo:
         """Write ``state`` as checkpoint ``step`` (replacing any folder of that step), then prune."""
@@ -213,6 +255,7 @@ class CheckpointStore:
         state_json = json.dumps(_encode(state, (), tensors, blobs), allow_nan=True).encode()
         d = self._dir(step)
         self._hashed.pop(step, None)
+        self._loadable.pop(step, None)
         if self.fs.get_file_info(d).type != pafs.FileType.NotFound:
             self.fs.delete_dir(d)
         self.fs.create_dir(d, recursive=True)
@@ -231,7 +274,7 @@ class CheckpointStore:
             self.fs.move(f"{d}/{MANIFEST}.tmp", f"{d}/{MANIFEST}")
         else:  # an object becomes visible whole when its upload completes
             self._write(f"{d}/{MANIFEST}", manifest)
-        self._hashed[step] = created
+        self._hashed[step] = self._loadable[step] = created
         self._prune(step)
         return CheckpointInfo(step, d, created, {n: e["sha256"] for n, e in files.items()})
 
@@ -245,6 +288,7 @@ class CheckpointStore:
             elif (has_manifest and kept >= self.keep) or (not has_manifest and step < saved):
                 self.fs.delete_dir(self._dir(step))
                 self._hashed.pop(step, None)
+                self._loadable.pop(step, None)
 
     def _is_valid(self, step: int) -> bool:
         try:
@@ -255,13 +299,14 @@ class CheckpointStore:
     def load(self, step: int | None = None) -> tuple[int, dict]:
         """Return (step, state) of ``step`` or, if None, of the newest valid checkpoint."""
         if step is None:
-            info, data = self._newest(want=True)
+            info, state, skipped = self._newest(load=True)
             if info is None:
+                why = "".join(f"\n  skipped: {r}" for r in skipped)
                 raise CheckpointError(f"no valid checkpoint under {self.uri} (steps with a manifest: "
-                                      f"{self.steps()}); check the path or start from scratch")
-        else:
-            self._require(step)
-            info, data = self._check(step, want=True)
+                                      f"{self.steps()}); check the path or start from scratch{why}")
+            return info.step, state
+        self._require(step)
+        info, data = self._check(step, want=True)
         return info.step, self._deserialize(info, data)
 
     def _deserialize(self, info: CheckpointInfo, data: dict[str, bytes]) -> dict:
@@ -272,7 +317,7 @@ class CheckpointStore:
                 ok = isinstance(tensors, dict) and all(type(v) is torch.Tensor for v in tensors.values())
                 why = "" if ok else "it does not hold a dict of tensors"
             except Exception as e:  # weights_only unpickler refuses anything but plain tensors
-                why = str(e).strip().splitlines()[0]
+                why = _refusal(e)
             if why:
                 raise CheckpointError(
                     f"checkpoint step {info.step}: {TENSORS} in {info.path} is not a plain-tensor file "

@@ -104,7 +104,7 @@ def run(
 ) -> None:
     """Run a job: on an embedded local Ray, or on the cluster at --address."""
     from raylane import registry
-    from raylane.driver import DriverError
+    from raylane.driver import DriverError, RunAborted
     from raylane.launch import load_job_config, run_job
 
     try:
@@ -116,8 +116,17 @@ def run(
         summary = run_job(spec, conf, address=address, dashboard=dashboard)
     except cfg.ConfigError as exc:  # the job's input (data, graph, env) refused before Ray starts
         _fail(str(exc))
+    except RunAborted as exc:
+        _fail(str(exc), code=130)
     except DriverError as exc:
         _fail(str(exc), code=1)
+    if summary["state"] == "stopped":
+        console.print(f"{spec.name}: stopped at step {summary['steps']} ({summary.get('stop_reason') or 'stop requested'}); "
+                      f"run again with --run-name {summary['run']} to continue")
+        console.print(f"run folder: {summary['run_dir']}")
+        if "SIGINT" in str(summary.get("stop_reason")):
+            raise typer.Exit(130)  # as a shell reports a program ended by Ctrl-C
+        return
     metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary["final_metrics"].items())
     console.print(f"{spec.name}: {summary['state']} after {summary['steps']} steps in {summary['wall_time_s']:.1f} s; {metrics}")
     console.print(f"run folder: {summary['run_dir']}")

@@ -21,7 +21,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from raylane.policies import Autoscaler, CheckpointPolicy, CheckpointStatus, Fai
 from raylane.pool import LOST, ActorPool, PoolError, WorkError
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 from raylane.runlog import Progress, RunLog
+from raylane.runpaths import check_run_name, check_writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,14 @@ TRANSITIONS = {
 
 class DriverError(RuntimeError):
     """The run ended FAILED; the message says why and where its last checkpoint is."""
+
+
+class RayGone(DriverError):
+    """The Ray this process started died under the run."""
+
+
+class RunAborted(DriverError):
+    """The user aborted the run (a second Ctrl-C); the run folder says STOPPED."""
 
 
 class NonFiniteError(DriverError):
@@ -106,6 +117,17 @@ class DriverConfig:
     """Serve ``raylane pools`` and ``raylane scale`` for this run."""
     pool_autoscale: list[PoolAutoscale] = field(default_factory=list)
     """Autoscaled pools: a list of {role, min, max, ...}."""
+
+    def validate(self) -> None:
+        if self.run_name is not None:
+            check_run_name(self.run_name, "run_name")
+
+    def check_paths(self) -> None:
+        """Make and write to the run and checkpoint folders (before Ray starts): a folder
+        that cannot be written is a one-line error, not a failure after the actors are up."""
+        check_writable_dir(self.runs_dir, "driver.runs_dir")
+        if self.checkpoint_uri is not None:
+            check_writable_dir(self.checkpoint_uri, "driver.checkpoint_uri")
 
 
 @dataclass
@@ -172,7 +194,7 @@ class Driver:
         self.workload = workload
         self._cluster_source = cluster_source or ClusterView.from_ray
         self.config = config
-        self.run_name = config.run_name or default_run_name(workload.name)
+        self.run_name = check_run_name(config.run_name or default_run_name(workload.name), "driver.run_name")
         self.run_dir = Path(config.runs_dir) / self.run_name
         self.failure_policy = failure_policy or FailurePolicy(max_failures=config.max_failures)
         self.checkpoint_policy = CheckpointPolicy(config.checkpoint_every_steps, config.checkpoint_every_s)
@@ -198,6 +220,7 @@ class Driver:
         self._requested: list | None = None
         self._has_autoscaler: bool | None = None
         self._stop_reason: str | None = None
+        self._started_running = False
 
     # ------------------------------------------------------------ state machine
 
@@ -209,6 +232,7 @@ class Driver:
             if self._ctx is not None:
                 self._ctx.log.event("state", state=new.value, reason=why, step=self.step)
         self.state = new
+        self._started_running = self._started_running or new is State.RUNNING
         self.history.append((time.time(), new))
 
     def request_stop(self, reason: str) -> None:
@@ -219,20 +243,45 @@ class Driver:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.request_stop("SIGTERM (the job was stopped)")
 
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._stop_reason is not None:  # the second Ctrl-C: the user will not wait
+            _say("second Ctrl-C: aborting now, without a checkpoint of the step under way")
+            raise KeyboardInterrupt("second Ctrl-C")
+        _say("Ctrl-C: stopping at the end of this step with a checkpoint (Ctrl-C again aborts at once)")
+        self.request_stop("SIGINT (Ctrl-C)")
+
     def run(self) -> dict[str, Any]:
-        # `raylane stop` / `ray job stop` send SIGTERM: end at the next step boundary with a
-        # checkpoint instead of dying mid-step (Ray sends SIGKILL a few seconds later).
+        # `raylane stop` / `ray job stop` send SIGTERM and Ctrl-C sends SIGINT: both end at
+        # the next step boundary with a checkpoint instead of dying mid-step (Ray sends
+        # SIGKILL a few seconds after SIGTERM; a second Ctrl-C aborts at once).
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTERM, self._on_sigterm), (signal.SIGINT, self._on_sigint))}
             try:
                 return self._run()
             finally:
-                signal.signal(signal.SIGTERM, previous)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
         return self._run()
 
+    def _on_ray_gone(self, why: str, started: float, runlog: RunLog) -> None:
+        """The embedded Ray died under the driver (a signal to the whole process group
+        reaches it too): nothing more can be saved, and every Ray call would wait out the
+        core worker's 60 s reconnect. Say so, leave the summary, and end the process now."""
+        state = State.STOPPED if self._stop_reason else State.FAILED
+        reason = (f"{why}: the Ray this run started was stopped under it (a signal sent to the whole process group "
+                  f"stops it too; send it to the raylane process alone to stop at a step boundary). {self._ckpt_hint()}")
+        self.state = state
+        runlog.event("state", state=state.value, reason=reason, step=self.step)
+        runlog.summary(self._summary(started, RayGone(reason)))
+        _say(f"run {self.run_name!r} {state.value} at step {self.step}: {reason}")
+        os._exit(143 if self._stop_reason else 1)
+
     def _run(self) -> dict[str, Any]:
+        from raylane import session
+
         started = time.time()
         runlog = RunLog(self.run_dir, tensorboard=self.config.tensorboard)
+        unwatch = session.watch_embedded(lambda why: self._on_ray_gone(why, started, runlog))
         uri = self.config.checkpoint_uri
         store_uri = str(self.run_dir / "checkpoints") if uri is None else f"{uri.rstrip('/')}/{self.run_name}"
         store = CheckpointStore(store_uri, keep=self.config.keep_checkpoints)
@@ -274,14 +323,20 @@ class Driver:
                     self._recover(exc)
         except BaseException as exc:
             error = exc
-            if self.state not in (State.FINISHED, State.STOPPED, State.FAILED):
+            if isinstance(exc, KeyboardInterrupt) and self.state is State.RUNNING:
+                self._to(State.STOPPED, "aborted by a second Ctrl-C; the step under way was not kept")
+            elif self.state not in (State.FINISHED, State.STOPPED, State.FAILED):
                 self._to(State.FAILED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         finally:
+            unwatch()
             progress.close()
             if self._channel is not None:
                 self._quietly(self._channel.close, self.state.value)
             summary = self._summary(started, error)
-            runlog.summary(summary)
+            if self._started_running or not (self.run_dir / "summary.json").exists():
+                runlog.summary(summary)
+            else:  # a run that could not start keeps the summary of the run it was to continue
+                runlog.event("start_failed", error=summary["error"])
             runlog.close()
             try:
                 self.workload.close()
@@ -290,6 +345,9 @@ class Driver:
         if error is not None:
             if isinstance(error, DriverError):
                 raise error
+            if isinstance(error, KeyboardInterrupt):
+                raise RunAborted(f"run {self.run_name!r} aborted at step {self.step} (Ctrl-C twice). {self._ckpt_hint()} "
+                                 "Run again with the same run name to continue from it.") from error
             raise DriverError(f"run {self.run_name!r} failed at step {self.step}: {error}\n{self._ckpt_hint()}") from error
         return summary
 
@@ -318,22 +376,31 @@ class Driver:
                 f"run {self.run_name!r} already has checkpoints (steps {store.steps()}) in {store.uri}; "
                 "set driver.resume=true to continue it, or choose another run name to start over"
             )
-        latest = store.latest() if self.config.resume else None
+        latest, state, skipped = self._newest_checkpoint() if self.config.resume else (None, None, [])
         if latest is not None:
-            self._load(latest.step)
+            self._load(latest.step, state)
             self.resumed_from = latest.step
-            runlog.event("resume", step=latest.step)
+            runlog.event("resume", step=latest.step, path=latest.path)
+            _say(f"resuming run {self.run_name!r} from step {latest.step} (checkpoint {latest.path})")
         else:
+            if skipped:
+                _say(f"run {self.run_name!r} has no checkpoint that loads ({len(skipped)} skipped, see above); starting from step 0")
             # The initial state, so that a failure before the first periodic checkpoint
             # still has something consistent to recover to.
             self._checkpoint(force="initial state")
 
-    def _load(self, step: int) -> None:
+    def _newest_checkpoint(self) -> tuple[Any, dict | None, list[str]]:
+        """The newest checkpoint that loads; each one skipped on the way is an event."""
         assert self._ctx is not None
-        at, state = self._ctx.store.load(step)
+        latest, state, skipped = self._ctx.store.newest()
+        for why in skipped:
+            self._ctx.log.event("checkpoint_skipped", reason=why)
+        return latest, state, skipped
+
+    def _load(self, step: int, state: dict) -> None:
         self.workload.load_state_dict(state["workload"])
-        self.step = at
-        self._last_ckpt_step = at
+        self.step = step
+        self._last_ckpt_step = step
         self._last_ckpt_time = time.time()
 
     def _finish(self) -> None:
@@ -394,9 +461,9 @@ class Driver:
             try:
                 self._ctx.cluster = self._cluster_source()
                 self.workload.recover(self._ctx, exc)
-                latest = self._ctx.store.latest()
+                latest, state, _ = self._newest_checkpoint()
                 if latest is not None:
-                    self._load(latest.step)
+                    self._load(latest.step, state)
                 break
             except Exception as again:  # noqa: BLE001 - judged by the policy on the next turn
                 exc = again
@@ -645,8 +712,14 @@ class Driver:
             "failures_recovered": self.recoveries,
             "checkpoints_written": self.checkpoints_written,
             "error": None if error is None else f"{type(error).__name__}: {error}",
+            "stop_reason": self._stop_reason if self.state is State.STOPPED else None,
             "run_dir": str(self.run_dir),
         }
+
+
+def _say(message: str) -> None:
+    """A line for the person at the terminal (the run's events record the same)."""
+    print(f"raylane: {message}", file=sys.stderr, flush=True)
 
 
 def _fmt_res(res: dict[str, float]) -> str:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from raylane import config as cfg
 from raylane.registry import JobSpec
+from raylane.runpaths import RunPathError, check_run_name
 
 
 def load_job_config(spec: JobSpec, *, config_file: str | None = None, overrides: Sequence[str] = (), run_name: str | None = None, progress: bool | None = None) -> Any:
@@ -20,9 +21,10 @@ def load_job_config(spec: JobSpec, *, config_file: str | None = None, overrides:
     conf = cfg.load_config(spec.config_cls, yaml_path=config_file, overrides=list(overrides))
     # Set directly, not as an override: a run name like 2024-05-01 or 123 is a name, not YAML.
     if run_name is not None:
-        if not run_name.strip() or "/" in run_name:
-            raise cfg.ConfigError(f"--run-name {run_name!r}: give a non-empty name without '/'")
-        conf.driver.run_name = run_name
+        try:
+            conf.driver.run_name = check_run_name(run_name, "--run-name")
+        except RunPathError as exc:
+            raise cfg.ConfigError(str(exc)) from None
     if progress is not None and hasattr(conf, "driver"):
         conf.driver.progress = progress
     return conf
@@ -44,6 +46,10 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
     from raylane import session
     from raylane.driver import Driver
 
+    try:
+        conf.driver.check_paths()
+    except RunPathError as exc:
+        raise cfg.ConfigError(str(exc)) from None
     workload = build_workload(spec, conf)
     session.connect(address, dashboard=dashboard)
     return Driver(workload, conf.driver).run()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,11 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, dashboar
             kwargs["dashboard_host"] = "127.0.0.1"
     else:
         kwargs["address"] = address
+    if kwargs["address"] == "local":
+        _own_token_file()
     ray.init(**kwargs)
+    if kwargs["address"] == "local":
+        _remember_embedded()
     from raylane.security import loose_token_warning  # Ray has just settled on its auth mode and token
 
     if problem := loose_token_warning():
@@ -35,8 +42,78 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, dashboar
     return ray.get_runtime_context().gcs_address
 
 
+def _own_token_file() -> None:
+    """Before a local start with token authentication and no token yet: write the token
+    file ourselves, readable by its owner only, for Ray to find. Left to Ray, the local
+    start writes it readable by everyone (mode 644), and whoever reads it can run code
+    on this Ray; every later command would also warn about it."""
+    from raylane.security import AUTH_MODE_ENV, SecurityError, create_token_file, default_token_path, find_token
+
+    if os.environ.get(AUTH_MODE_ENV, "").strip().lower() == "disabled":
+        return
+    try:
+        if find_token() is not None:
+            return
+        create_token_file(default_token_path())
+    except (OSError, SecurityError) as exc:  # Ray reports a bad token setting itself
+        log.debug("token file not made: %s", exc)
+
+
 def disconnect() -> None:
     import ray
 
+    _EMBEDDED.clear()
     if ray.is_initialized():
         ray.shutdown()
+
+
+# The GCS and raylet processes of the Ray this process started itself (empty when it
+# joined a cluster): they die with a signal sent to the whole process group (`timeout`,
+# a terminal's job control), and a driver calling into a dead Ray would then wait out
+# the core worker's 60 s reconnect before the process is ended, writing nothing.
+_EMBEDDED: list = []
+
+
+def _remember_embedded() -> None:
+    import psutil
+
+    try:  # Ray's own record of the processes it started (not a public API: checked, not assumed)
+        from ray._private import worker
+
+        procs = worker._global_node.all_processes
+        _EMBEDDED[:] = [(kind, psutil.Process(info.process.pid)) for kind in ("gcs_server", "raylet") for info in procs.get(kind, [])]
+    except Exception as exc:  # noqa: BLE001 - without the record there is only no watchdog
+        log.debug("embedded Ray processes not found (%s); no watchdog", exc)
+        _EMBEDDED.clear()
+
+
+def embedded_ray_gone() -> str | None:
+    """Which of the embedded Ray's GCS and raylet is gone, or None while both run (and
+    when this process did not start its Ray)."""
+    import psutil
+
+    for kind, proc in _EMBEDDED:
+        try:
+            alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            alive = False
+        if not alive:
+            return f"the embedded Ray's {kind} (pid {proc.pid}) is gone"
+    return None
+
+
+def watch_embedded(on_gone: Callable[[str], None], every_s: float = 0.5) -> Callable[[], None]:
+    """Call ``on_gone(reason)`` once, from a daemon thread, when the embedded Ray's GCS or
+    raylet dies; returns a function that stops watching. A no-op for a joined cluster."""
+    stop = threading.Event()
+    if not _EMBEDDED:
+        return stop.set
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            if (why := embedded_ray_gone()) is not None:
+                on_gone(why)
+                return
+
+    threading.Thread(target=loop, name="raylane-ray-watchdog", daemon=True).start()
+    return stop.set

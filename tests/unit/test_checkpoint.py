@@ -265,6 +265,40 @@ def test_pickle_payload_is_refused(tmp_path):
     assert store.verify(1).step == 1  # integrity passes: only the content is hostile
     with pytest.raises(CheckpointError, match="tensors.pt.*not a plain-tensor file"):
         store.load(1)
-    with pytest.raises(CheckpointError, match="not a plain-tensor file"):
-        store.load()  # intact but hostile: refused, not silently skipped
+    with pytest.warns(UserWarning, match=r"step 1\b.*tensors.pt.*not a plain-tensor file \(it imports .*_mark_executed"):
+        with pytest.raises(CheckpointError, match=r"no valid checkpoint.*\n  skipped: .*step 1\b.*not a plain-tensor file"):
+            store.load()  # intact but hostile: skipped with a warning, and nothing else to load
     assert EXECUTED == []
+
+
+def test_a_refused_checkpoint_is_skipped_like_a_corrupt_one(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep=5)
+    store.save(1, {"w": torch.ones(2)})
+    store.save(2, {"w": torch.full((2,), 2.0)})
+    d = step_dir(tmp_path, 2)
+    torch.save({"w": Payload()}, d / "tensors.pt")
+    raw = (d / "tensors.pt").read_bytes()
+    manifest = json.loads((d / "MANIFEST.json").read_text())
+    manifest["files"]["tensors.pt"] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    manifest["created"] += 1  # written by someone else
+    (d / "MANIFEST.json").write_text(json.dumps(manifest))
+    fresh = CheckpointStore(str(tmp_path), keep=5)  # as a resumed run opens it
+    for store_ in (fresh, store):
+        with pytest.warns(UserWarning, match=r"step 2\b.*tensors.pt.*not a plain-tensor file") as seen:
+            assert store_.latest().step == 1  # never called the last good checkpoint
+        assert not any("weights_only=False" in str(w.message) for w in seen)  # torch's advice is not passed on
+        with pytest.warns(UserWarning, match="not a plain-tensor file"):
+            step, state = store_.load()
+        assert step == 1 and torch.equal(state["w"], torch.ones(2))
+    assert EXECUTED == []
+
+
+def test_a_checkpoint_without_its_manifest_is_skipped_with_a_warning(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep=5)
+    store.save(1, {"a": 1})
+    store.save(2, {"a": 2})
+    (step_dir(tmp_path, 2) / "MANIFEST.json").unlink()
+    with pytest.warns(UserWarning, match=r"step 2\b.*MANIFEST.json is missing"):
+        assert store.latest().step == 1
+    with pytest.warns(UserWarning, match=r"step 2\b.*MANIFEST.json is missing"):
+        assert store.load() == (1, {"a": 1})

@@ -50,6 +50,10 @@ def test_jobs_shows_a_jobs_config_keys_and_docs():
         (["run", "linreg", "--set", "workers=9"], "workers (9) must not exceed max_workers (8)"),
         (["run", "linreg", "--set", "workers"], "key=value"),
         (["run", "linreg", "--config", "no/such/file.yaml"], "no/such/file.yaml"),
+        (["run", "linreg", "--set", "driver.run_name=../../escaped_run"], "run_name '../../escaped_run' would write outside the runs folder"),
+        (["run", "linreg", "--run-name", ".."], "--run-name '..' would write outside the runs folder"),
+        (["run", "linreg", "--set", "driver.runs_dir=/proc/nope"], "driver.runs_dir='/proc/nope' cannot be used"),
+        (["run", "linreg", "--set", "driver.checkpoint_uri=/proc/x"], "driver.checkpoint_uri='/proc/x' cannot be used"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_message(args, message):

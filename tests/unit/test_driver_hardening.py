@@ -1,0 +1,100 @@
+"""The driver's stops, resumes and refused checkpoints against an in-process workload: no Ray."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from raylane.checkpoint import CheckpointStore
+from raylane.driver import DriverError, RunAborted, State
+from raylane.runlog import read_jsonl
+from test_driver_fake import Counter, drive, reference  # tests/unit/test_driver_fake.py
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+class Hostile:
+    """Unpickling this would call print: what a weights-only load refuses."""
+
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def poison(store_dir, step: int) -> None:
+    """Replace a checkpoint's tensor file by a pickle, with a manifest that matches it."""
+    d = store_dir / f"{step:010d}"
+    torch.save({"x": Hostile()}, d / "tensors.pt")
+    raw = (d / "tensors.pt").read_bytes()
+    manifest = json.loads((d / "MANIFEST.json").read_text())
+    manifest["files"]["tensors.pt"] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (d / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def test_ctrl_c_stops_at_the_next_step_with_a_checkpoint(tmp_path, capfd):
+    class Interrupted(Counter):
+        def step(self, step):
+            if step == 6:
+                os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+            return super().step(step)
+
+    before = signal.getsignal(signal.SIGINT)
+    w = Interrupted()
+    d, summary = drive(tmp_path, w, max_steps=20, checkpoint_every_steps=0)
+    assert d.state is State.STOPPED and summary["state"] == "stopped" and summary["error"] is None
+    assert summary["stop_reason"].startswith("SIGINT")
+    assert summary["steps"] == 7 and w.applied == list(range(7))  # the interrupted step completed
+    assert CheckpointStore(str(tmp_path / "r" / "checkpoints")).latest().step == 7
+    assert signal.getsignal(signal.SIGINT) == before
+    assert "Ctrl-C again aborts" in capfd.readouterr().err
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_says_so(tmp_path):
+    class Twice(Counter):
+        def step(self, step):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().step(step)
+
+    w = Twice()
+    with pytest.raises(RunAborted, match=r"aborted at step 3 \(Ctrl-C twice\).*last good checkpoint is step 0"):
+        drive(tmp_path, w, max_steps=20, checkpoint_every_steps=0)
+    saved = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert saved["state"] == "stopped" and w.applied == [0, 1, 2]
+
+
+def test_a_refused_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(tmp_path, capfd):
+    drive(tmp_path, Counter(), max_steps=8, checkpoint_every_steps=4)
+    store_dir = tmp_path / "r" / "checkpoints"
+    poison(store_dir, 8)
+    w = Counter()
+    with pytest.warns(UserWarning, match=r"step 8\b.*tensors.pt.*not a plain-tensor file"):
+        d, summary = drive(tmp_path, w, max_steps=10, checkpoint_every_steps=4)
+    assert summary["state"] == "finished" and summary["resumed_from"] == 4
+    assert w.applied == list(range(4, 10)) and math.isclose(w.x, reference(10))
+    events = read_jsonl(tmp_path / "r" / "events.jsonl")
+    skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
+    assert skipped and "step 8" in skipped[0]["reason"] and "weights_only=False" not in skipped[0]["reason"]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [4]
+    assert "resuming run 'r' from step 4" in capfd.readouterr().err
+
+
+def test_a_run_that_cannot_start_keeps_the_summary_of_the_finished_run(tmp_path):
+    drive(tmp_path, Counter(), max_steps=5)
+    finished = json.loads((tmp_path / "r" / "summary.json").read_text())
+
+    class Mismatch(Counter):
+        def load_state_dict(self, state):
+            raise ValueError("size mismatch for weight: copying a param with shape [4] into shape [8]")
+
+    with pytest.raises(DriverError, match="size mismatch"):
+        drive(tmp_path, Mismatch(), max_steps=9)
+    assert json.loads((tmp_path / "r" / "summary.json").read_text()) == finished
+    start_failed = [e for e in read_jsonl(tmp_path / "r" / "events.jsonl") if e["event"] == "start_failed"]
+    assert len(start_failed) == 1 and "size mismatch" in start_failed[0]["error"]
