@@ -101,8 +101,13 @@ def run(
     run_name: Optional[str] = typer.Option(None, help="Run name; the same name again resumes from its latest checkpoint."),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help="Show the live progress bar (default: the config's driver.progress)."),
     dashboard: bool = typer.Option(False, help="Start the Ray dashboard (bound to 127.0.0.1) with the embedded Ray."),
+    new: bool = typer.Option(False, "--new", help="When --run-name already exists, start a fresh run under a free name (NAME-2, ...) instead of resuming it."),
+    resume_with_changes: bool = typer.Option(False, "--resume-with-changes", help="Resume --run-name although the config differs from the one it started with; each change is listed."),
 ) -> None:
-    """Run a job: on an embedded local Ray, or on the cluster at --address."""
+    """Run a job: on an embedded local Ray, or on the cluster at --address.
+
+    The same --run-name again resumes that run from its latest checkpoint, if the config is
+    the one it started with; a different config is refused with the keys that differ."""
     from raylane import registry
     from raylane.driver import DriverError, RunAborted
     from raylane.launch import load_job_config, run_job
@@ -113,7 +118,7 @@ def run(
     except (registry.UnknownJobError, cfg.ConfigError) as exc:
         _fail(str(exc))
     try:
-        summary = run_job(spec, conf, address=address, dashboard=dashboard)
+        summary = run_job(spec, conf, address=address, dashboard=dashboard, new=new, resume_with_changes=resume_with_changes)
     except cfg.ConfigError as exc:  # the job's input (data, graph, env) refused before Ray starts
         _fail(str(exc))
     except RunAborted as exc:

@@ -11,7 +11,10 @@ import argparse
 import sys
 from typing import Any, Sequence
 
+from pathlib import Path
+
 from raylane import config as cfg
+from raylane import runconfig
 from raylane.registry import JobSpec
 from raylane.runpaths import RunPathError, check_run_name
 
@@ -41,18 +44,41 @@ def build_workload(spec: JobSpec, conf: Any) -> Any:
         raise cfg.ConfigError(f"{spec.name}: {exc}") from exc
 
 
-def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: bool = False) -> dict:
-    """Drive one run of ``spec`` with ``conf`` on the given (or an embedded) Ray; returns its summary."""
+def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: bool = False, new: bool = False, resume_with_changes: bool = False) -> dict:
+    """Drive one run of ``spec`` with ``conf`` on the given (or an embedded) Ray; returns its summary.
+
+    A run name that already has a run folder resumes that run, if ``conf`` is the config
+    it started with; otherwise this refuses (naming the keys) unless ``new`` (a fresh run
+    under a free name) or ``resume_with_changes`` (continue with the new values, listed)."""
     from raylane import session
-    from raylane.driver import Driver
+    from raylane.driver import Driver, default_run_name
+    from raylane.runlog import RunLog
 
     try:
         conf.driver.check_paths()
     except RunPathError as exc:
         raise cfg.ConfigError(str(exc)) from None
+    runs = Path(conf.driver.runs_dir)
+    name = conf.driver.run_name = conf.driver.run_name or default_run_name(spec.name)
+    if new and (runs / name).exists():
+        conf.driver.run_name = runconfig.next_free_name(runs, name)
+        _say(f"run {name!r} exists; --new starts a fresh run named {conf.driver.run_name!r}")
+    run_dir = runs / conf.driver.run_name
+    changes = runconfig.check_resume(spec.name, conf, run_dir, accept_changes=resume_with_changes)
     workload = build_workload(spec, conf)
+    runconfig.write_record(spec.name, conf, run_dir)
+    if changes:
+        log = RunLog(run_dir, tensorboard=False)
+        log.event("config_changed", changes=[{"key": k, "run": a, "now": b} for k, a, b in changes])
+        log.close()
+        for k, a, b in changes:
+            _say(f"resuming with a changed {k}: {a!r} -> {b!r}")
     session.connect(address, dashboard=dashboard)
     return Driver(workload, conf.driver).run()
+
+
+def _say(message: str) -> None:
+    print(f"raylane: {message}", file=sys.stderr, flush=True)
 
 
 def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
@@ -63,6 +89,8 @@ def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--address", default=None, help="Ray address to join; default: the cluster this runs on (auto) when launched as a Ray job, else an embedded local Ray")
     parser.add_argument("--run-name", default=None)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--new", action="store_true", help="a fresh run under a free name when --run-name exists")
+    parser.add_argument("--resume-with-changes", action="store_true", help="resume --run-name although its config differs (the changes are listed)")
     args = parser.parse_args(argv)
     try:
         conf = load_job_config(spec, config_file=args.config, overrides=args.set, run_name=args.run_name, progress=False if args.no_progress else None)
@@ -73,7 +101,7 @@ def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
 
     address = args.address or ("auto" if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID") else None)
     try:
-        summary = run_job(spec, conf, address=address)
+        summary = run_job(spec, conf, address=address, new=args.new, resume_with_changes=args.resume_with_changes)
     except cfg.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -53,3 +53,25 @@ def test_a_signal_to_the_whole_process_group_leaves_a_summary_and_a_private_toke
     token = home / ".ray" / "auth_token"
     assert token.stat().st_mode & 0o777 == 0o600
     assert "can be read by other users" not in out, out
+
+
+def test_a_reused_run_name_resumes_only_its_own_config(ray_local, tmp_path, capfd):
+    from raylane import config as cfg
+    from raylane.launch import load_job_config, run_job
+    from raylane.registry import get
+
+    spec = get("linreg")
+    base = [f"driver.runs_dir={tmp_path}", "driver.max_steps=6", "driver.progress=false", "driver.tensorboard=false"]
+    first = run_job(spec, load_job_config(spec, overrides=base, run_name="lin"))
+    assert first["state"] == "finished" and first["steps"] == 6
+    with pytest.raises(cfg.ConfigError, match=r"lr: 0.5 \(run\) -> 0.1 \(now\)"):
+        run_job(spec, load_job_config(spec, overrides=[*base, "lr=0.1"], run_name="lin"))
+    assert json.loads((tmp_path / "lin" / "summary.json").read_text()) == first  # nothing ran, nothing overwritten
+    more = run_job(spec, load_job_config(spec, overrides=[*base[:1], "driver.max_steps=9", *base[2:]], run_name="lin"), resume_with_changes=True)
+    assert more["resumed_from"] == 6 and more["steps"] == 9
+    err = capfd.readouterr().err
+    assert "resuming with a changed driver.max_steps: 6 -> 9" in err and "resuming run 'lin' from step 6" in err
+    changed = [e for e in read_jsonl(tmp_path / "lin" / "events.jsonl") if e["event"] == "config_changed"]
+    assert changed[0]["changes"] == [{"key": "driver.max_steps", "run": 6, "now": 9}]
+    fresh = run_job(spec, load_job_config(spec, overrides=[*base, "lr=0.1"], run_name="lin"), new=True)
+    assert fresh["run"] == "lin-2" and fresh["resumed_from"] is None and fresh["steps"] == 6
