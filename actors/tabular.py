@@ -80,6 +80,9 @@ class LabelSummary:
     """Every label is 0 or 1."""
     integral: bool
     """Every label is a whole number."""
+    distinct: int | None = None
+    """How many different values the labels take, counted when every label is a whole number;
+    None otherwise, and for generated regression labels (not read on the driver)."""
 
 
 # ---------------------------------------------------------------- synthetic rows
@@ -286,7 +289,7 @@ def describe(source: str, *, label: str = "", features: Sequence[str] = (), fmt:
             raise SourceError("data.features cannot pick columns of synthetic data; set data.num_features instead")
         names = synthetic_features(num_features)
         binary = name == "classification"
-        summary = LabelSummary(0.0, 1.0, True, True) if binary else LabelSummary(-math.inf, math.inf, False, False)
+        summary = LabelSummary(0.0, 1.0, True, True, 2) if binary else LabelSummary(-math.inf, math.inf, False, False)
         return TableSpec("synthetic", name, rows, names, label, seed=seed), summary
     if kind == "sklearn":
         x, y, names = _sklearn(name)
@@ -351,7 +354,9 @@ def _summarize(y: np.ndarray, source: str, label: str) -> LabelSummary:
         raise SourceError(f"data.label: column {label!r} in {source!r} has {int(bad.sum())} NaN or infinite labels (first at row {first}, value {y[first]}); drop or fix those rows")
     if len(y) == 0:
         raise SourceError(f"data.source {source!r} has no rows")
-    return LabelSummary(float(y.min()), float(y.max()), bool(np.isin(y, (0.0, 1.0)).all()), bool((y == np.round(y)).all()))
+    integral = bool((y == np.round(y)).all())
+    distinct = int(np.unique(y).size) if integral else None
+    return LabelSummary(float(y.min()), float(y.max()), bool(np.isin(y, (0.0, 1.0)).all()), integral, distinct)
 
 
 # ---------------------------------------------------------------- a trainer's own rows

@@ -44,6 +44,8 @@ class TrainerConfig:
     """Threads for matrix building and boosting (also the CPUs the actor reserves)."""
     quantile: bool = True
     """Build a ``QuantileDMatrix`` (the ``hist`` method); False: a plain ``DMatrix`` (``approx``)."""
+    max_bin: int = 256
+    """Histogram bins per feature: the matrix's cuts must match the booster's ``max_bin``."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,8 @@ class XGBoostTrainer:
             names = None
         if self.config.quantile:
             # Inside the collective: the quantile sketch is merged across all trainers here.
-            dtrain = xgb.QuantileDMatrix(x, y, nthread=n, feature_names=names)
-            make_eval = lambda xe, ye: xgb.QuantileDMatrix(xe, ye, ref=dtrain, nthread=n, feature_names=names)  # noqa: E731 - the training cuts
+            dtrain = xgb.QuantileDMatrix(x, y, nthread=n, feature_names=names, max_bin=self.config.max_bin)
+            make_eval = lambda xe, ye: xgb.QuantileDMatrix(xe, ye, ref=dtrain, nthread=n, feature_names=names, max_bin=self.config.max_bin)  # noqa: E731 - the training cuts
         else:
             dtrain = xgb.DMatrix(x, y, nthread=n, feature_names=names)
             make_eval = lambda xe, ye: xgb.DMatrix(xe, ye, nthread=n, feature_names=names)  # noqa: E731

@@ -14,13 +14,16 @@ error (or are killed if they have not within the collective timeout), the pool r
 dead trainer, the replacement reads the lost shard, survivors keep theirs, and the group
 continues from the last checkpointed round.
 
+The params are settled on the driver before Ray starts (:mod:`raylane.jobs.xgboost_params`):
+a name xgboost does not know is refused, and without an objective one is chosen from the
+labels; the run's first line and its ``xgboost_objective`` event say which, and why.
+
     raylane run xgboost --set data.source=sklearn:breast_cancer --set num_boost_round=50
     python -m raylane.jobs.xgboost --set data.rows=1000000 --set trainers=2 --set threads=1
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import math
@@ -38,6 +41,7 @@ from raylane import config as cfg
 from raylane.actors import tabular
 from raylane.actors.xgboost_trainer import Shard, TrainerConfig, XGBoostTrainer
 from raylane.driver import Context, DriverConfig
+from raylane.jobs.xgboost_params import OBJECTIVES, ObjectiveChoice, objective_params, probe, static_params  # noqa: F401 - OBJECTIVES is re-exported
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
 from raylane.pool import LOST, ActorPool, CallTimeoutError, PoolError, WorkError
@@ -46,19 +50,6 @@ from raylane.registry import JobSpec
 log = logging.getLogger(__name__)
 
 ROLE = "xgboost_trainer"
-# Objectives whose rows are (features, label); ranking and survival need fields this job does not read.
-OBJECTIVES = (
-    "binary:logistic", "binary:logitraw", "binary:hinge",
-    "multi:softprob", "multi:softmax",
-    "reg:squarederror", "reg:squaredlogerror", "reg:logistic", "reg:pseudohubererror",
-    "reg:absoluteerror", "reg:quantileerror", "reg:gamma", "reg:tweedie", "count:poisson",
-)
-DEFAULT_PARAMS = {"tree_method": "hist", "max_depth": 6, "eta": 0.3, "seed": 0}
-# Objectives that need labels above a bound: (bound, whether the bound itself is refused).
-LABEL_FLOORS = {"count:poisson": (0.0, False), "reg:tweedie": (0.0, False), "reg:gamma": (0.0, True), "reg:squaredlogerror": (-1.0, True)}
-DEFAULT_METRICS = {"binary": ["logloss", "auc"], "multi": ["mlogloss", "merror"], "reg": ["rmse"]}
-# Keys that have a config field of their own, so there is one place to set them.
-OWN_FIELDS = {"nthread": "threads", "n_jobs": "threads", "num_boost_round": "num_boost_round", "n_estimators": "num_boost_round"}
 
 
 @dataclass
@@ -90,7 +81,7 @@ class XGBoostJobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """What to train on."""
     params: dict[str, Any] = cfg.field({})
-    """xgboost parameters, passed through to xgboost.train over tree_method=hist, max_depth=6, eta=0.3, seed=0. objective: binary:logistic when every label is 0 or 1, else reg:squarederror; multi:* get num_class from the labels. eval_metric: logloss+auc (binary), mlogloss+merror (multi), rmse (regression)."""
+    """xgboost parameters, passed through to xgboost.train over tree_method=hist, max_depth=6, eta=0.3, seed=0; a name the installed xgboost does not know is refused, with the nearest valid ones. objective, when not given, is chosen from the labels: binary:logistic when every label is 0 or 1; multi:softprob with num_class=k when the labels are exactly the whole numbers 0..k-1, each present, k <= 100 (or when num_class is given); else reg:squarederror, also for whole numbers that are not 0..k-1 (counts, years, ratings 1..5: recode them as 0..k-1 for classes, or set objective, e.g. count:poisson). The choice and its reason are printed as the run starts and logged as the xgboost_objective event. A given objective must fit the labels; multi:* get num_class from the labels. eval_metric: logloss+auc (binary), mlogloss+merror (multi), rmse (regression)."""
     num_boost_round: int = cfg.field(100, ge=1)
     """Boosting rounds in all."""
     trainers: int = cfg.field(2, ge=1)
@@ -120,13 +111,15 @@ class XGBoostJobConfig:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What the driver's peek settled: the table, the full xgboost params, the metric names."""
+    """What the driver's peek settled: the table, the full xgboost params, the metric names,
+    and the objective with why it was chosen."""
 
     table: tabular.TableSpec
     params: dict[str, Any]
     evals: tuple[str, ...]
     metrics: tuple[str, ...]
     quantile: bool
+    objective: ObjectiveChoice
 
 
 def prepare(c: XGBoostJobConfig) -> Prepared:
@@ -138,7 +131,7 @@ def prepare(c: XGBoostJobConfig) -> Prepared:
     cached = c.__dict__.get("_prepared")
     if cached is not None and cached[0] == key:
         return cached[1]
-    params = _static_params(c.params)
+    params = static_params(c.params)  # names and objective, before the data is read
     d = c.data
     table, labels = tabular.describe(d.source, label=d.label, features=d.features, fmt=d.format, rows=d.rows, num_features=d.num_features, seed=d.seed)
     if table.rows < c.trainers:
@@ -151,65 +144,11 @@ def prepare(c: XGBoostJobConfig) -> Prepared:
         if held == 0 or held == table.rows:
             what = "no rows" if held == 0 else "every row"
             raise cfg.ConfigError(f"data.eval_fraction: {d.eval_fraction:g} holds out {what} of the {table.rows} in {d.source!r}; choose a fraction between, or 0 for no evaluation set")
-    params = _objective_params(params, labels)
+    params, objective = objective_params(params, labels)
     evals = tuple(name for name, on in (("train", c.eval_train), ("eval", d.eval_fraction > 0)) if on)
-    prepared = Prepared(table, params, evals, _probe(params, labels), params["tree_method"] == "hist")
+    prepared = Prepared(table, params, evals, probe(params, labels), params["tree_method"] == "hist", objective)
     c.__dict__["_prepared"] = (key, prepared)
     return prepared
-
-
-def _static_params(user: dict[str, Any]) -> dict[str, Any]:
-    for key, own in OWN_FIELDS.items():
-        if key in user:
-            raise cfg.ConfigError(f"params.{key}: set {own} instead (it has its own field)")
-    params = {**DEFAULT_PARAMS, **user}
-    objective = params.get("objective")
-    if objective is not None and objective not in OBJECTIVES:
-        close = difflib.get_close_matches(str(objective), OBJECTIVES, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise cfg.ConfigError(f"params.objective: unknown objective {objective!r}.{hint} Valid objectives: {', '.join(OBJECTIVES)}")
-    if params["tree_method"] == "auto":
-        params["tree_method"] = "hist"
-    if params["tree_method"] not in ("hist", "approx"):
-        raise cfg.ConfigError(f"params.tree_method: {params['tree_method']!r} does not train distributed; use 'hist' (default) or 'approx'")
-    return params
-
-
-def _objective_params(params: dict[str, Any], labels: tabular.LabelSummary) -> dict[str, Any]:
-    params = dict(params)
-    objective = params.setdefault("objective", "binary:logistic" if labels.binary else "reg:squarederror")
-    family = objective.split(":")[0] if objective.split(":")[0] in ("binary", "multi") else "reg"
-    lo, hi = labels.minimum, labels.maximum
-    if family == "binary" and not (lo >= 0 and hi <= 1):
-        raise cfg.ConfigError(f"params.objective: {objective} needs labels in [0, 1], the labels span [{lo:g}, {hi:g}]; use a reg:* objective or recode the labels")
-    if family == "multi":
-        if not labels.integral or lo < 0:
-            raise cfg.ConfigError(f"params.objective: {objective} needs class labels 0..k-1, the labels span [{lo:g}, {hi:g}] and are {'whole' if labels.integral else 'not whole'} numbers")
-        params.setdefault("num_class", int(hi) + 1)
-        if not hi < params["num_class"]:
-            raise cfg.ConfigError(f"params.num_class: {params['num_class']} classes, but the labels go up to {hi:g}; set num_class to at least {int(hi) + 1}")
-    bound, strict = LABEL_FLOORS.get(objective, (-math.inf, False))
-    if lo < bound or (strict and lo == bound):
-        raise cfg.ConfigError(f"params.objective: {objective} needs labels {'>' if strict else '>='} {bound:g}, the smallest label is {lo:g}")
-    params.setdefault("eval_metric", list(DEFAULT_METRICS[family]))
-    return params
-
-
-def _probe(params: dict[str, Any], labels: tabular.LabelSummary) -> tuple[str, ...]:
-    """Train one round on two rows: xgboost refuses bad params here, and names its metrics."""
-    import numpy as np
-    import xgboost as xgb
-
-    lo = labels.minimum if math.isfinite(labels.minimum) else 0.0
-    hi = labels.maximum if math.isfinite(labels.maximum) else 1.0
-    d = xgb.DMatrix(np.array([[0.0], [1.0]], dtype=np.float32), np.array([lo, hi], dtype=np.float32))
-    history: dict = {}
-    try:
-        xgb.train({**params, "nthread": 1}, d, 1, evals=[(d, "probe")], evals_result=history, verbose_eval=False)
-    except xgb.core.XGBoostError as exc:
-        first = next((line for line in str(exc).splitlines() if line.strip() and "Stack trace" not in line), str(exc))
-        raise cfg.ConfigError(f"params: xgboost refused {params}: {first.split(': ', 1)[-1]}") from None
-    return tuple(history["probe"])
 
 
 # ---------------------------------------------------------------- the group of trainers
@@ -391,7 +330,10 @@ class XGBoostWorkload:
     def setup(self, ctx: Context) -> None:
         c, d = self.config, self.config.data
         self.ctx = ctx
-        trainer = TrainerConfig(self.prep.table, d.eval_fraction, d.seed, c.threads, self.prep.quantile)
+        # The objective may have been chosen from the labels: say which, and why, first.
+        ctx.log.event("xgboost_objective", **self.prep.objective.event(self.prep.metrics))
+        print(self.prep.objective.line(self.prep.metrics), flush=True)
+        trainer = TrainerConfig(self.prep.table, d.eval_fraction, d.seed, c.threads, self.prep.quantile, int(self.prep.params.get("max_bin", 256)))
         self.pool = ActorPool(self.roles()[0], XGBoostTrainer, actor_args=lambda key: ((trainer,), {}), size=c.trainers, start_timeout_s=c.load_timeout_s)
         self.pool.wait_ready(timeout_s=c.load_timeout_s)
         self._ensure_group()

@@ -67,7 +67,7 @@ class FailurePolicy:
             return Decision("recover", "no failures")
         last = failures[-1]
         if not recoverable:
-            return Decision("fail", f"not recoverable: {last.message.splitlines()[0] if last.message else '?'}")
+            return Decision("fail", f"not recoverable: {_headline(last.message)}")
         if len(failures) > self.max_failures:
             return Decision("fail", f"{len(failures)} failures exceed max_failures={self.max_failures}:\n{group_errors(failures)}")
         for role, budget in self.per_role.items():
@@ -235,3 +235,12 @@ class Autoscaler:
         self._changed[role] = now
         self._seen[role] = []  # the new size needs its own observations
         return target, reason
+
+
+def _headline(message: str) -> str:
+    """The first line of an error, and the one after it when the first only introduces
+    it ("2 calls of 'train' on shard 0, shard 1 raised:")."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    if not lines:
+        return "?"
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]

@@ -84,6 +84,29 @@ def test_breast_cancer_trains_and_metrics_are_aggregated_over_trainers(ray_local
     assert abs(logloss(booster.predict(xgb.DMatrix(x, feature_names=names)), y) - final["eval-logloss"]) < 1e-5
     history = json.loads((run / "history.json").read_text())
     assert len(history["eval-auc"]) == 30
+    chosen = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "xgboost_objective"]
+    assert [(e["objective"], e["inferred"], e["reason"]) for e in chosen] == [("binary:logistic", True, "every label is 0 or 1")]
+
+
+def test_iris_without_an_objective_trains_multiclass_and_says_so(ray_local, tmp_path, capsys):
+    wait_cpus_free()
+    conf = make(tmp_path, "iris", data={"source": "sklearn:iris"}, num_boost_round=10, trainers=2)
+    summary = Driver(XGBoostWorkload(conf), conf.driver).run()
+    assert summary["state"] == "finished"
+    shown = capsys.readouterr().out
+    assert "xgboost: objective multi:softprob, num_class=3 (chosen from the labels: class indices 0..2, 3 classes" in shown
+    chosen = [e for e in read_jsonl(tmp_path / "iris" / "events.jsonl") if e["event"] == "xgboost_objective"]
+    assert len(chosen) == 1 and chosen[0]["objective"] == "multi:softprob" and chosen[0]["inferred"] and chosen[0]["num_class"] == 3
+    assert chosen[0]["eval_metric"] == ["mlogloss", "merror"]
+    final = summary["final_metrics"]
+    assert {"eval-mlogloss", "eval-merror", "train-mlogloss"} <= set(final) and not any("rmse" in k for k in final)
+    booster = xgb.Booster(model_file=str(tmp_path / "iris" / "model.ubj"))
+    config = json.loads(booster.save_config())["learner"]
+    assert config["objective"]["name"] == "multi:softprob" and config["learner_model_param"]["num_class"] == "3"
+    x, y = held_out(conf)
+    p = booster.predict(xgb.DMatrix(x, feature_names=list(prepare(conf).table.features)))
+    assert p.shape == (len(y), 3)
+    assert float(np.mean(p.argmax(axis=1) != y)) == pytest.approx(final["eval-merror"], abs=1e-6)
 
 
 def wait_cpus_free(timeout_s: float = 60.0) -> None:
@@ -169,7 +192,10 @@ def test_sigkilled_driver_resumes_from_last_checkpoint(tmp_path, reference):
     run_dir = tmp_path / "victim"
     victim = launch(tmp_path, "victim", every=5)  # the chunk size does not change the model
     deadline = time.time() + 400
-    while time.time() < deadline and len(read_jsonl(run_dir / "metrics.jsonl")) < 2:
+    # Wait for the second checkpoint itself (its event follows the save), not for the second
+    # metrics row: the driver checks events and pools between the two, and a kill in that gap
+    # on a busy machine leaves only the first.
+    while time.time() < deadline and not any(e["event"] == "checkpoint" and e["step"] >= 2 for e in read_jsonl(run_dir / "events.jsonl")):
         assert victim.poll() is None, victim.stdout.read()
         time.sleep(0.05)
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, its embedded Ray and the trainers

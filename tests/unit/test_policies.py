@@ -110,6 +110,9 @@ def test_failure_policy_not_recoverable_fails_at_once():
     assert d == Decision("fail", "not recoverable: checkpoint corrupt")
     d = policy.decide([fail(message="")], recoverable=False)
     assert d == Decision("fail", "not recoverable: ?")
+    grouped = "2 call(s) of 'train' on shard 1, shard 0 raised:\nCheck failed: max_bin (256 vs. 64)\n  more"
+    d = policy.decide([fail(message=grouped)], recoverable=False)  # the header alone would say nothing
+    assert d == Decision("fail", "not recoverable: 2 call(s) of 'train' on shard 1, shard 0 raised: Check failed: max_bin (256 vs. 64)")
 
 
 @pytest.mark.parametrize("kwargs, fragment", [(dict(max_failures=-1), "got -1"), (dict(per_role={"learner": -2}), "per_role['learner'] must be >= 0, got -2")])
