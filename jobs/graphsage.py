@@ -1,7 +1,8 @@
 """``raylane run graphsage``: GraphSAGE trained on mini-batches made by sampler actors.
 
-The graph (generated, or read from a folder of arrays) is split into one METIS part per
-sampler and put into the object store once. An epoch is a fixed list of batches, each
+The graph (generated, or read from a folder of arrays, its edges made two-way unless
+``graph.undirected=false``; what was changed is printed and logged as ``graph_input``) is
+split into one METIS part per sampler and put into the object store once. An epoch is a fixed list of batches, each
 named by (part, index) and drawn from the training seeds of its part; the driver keeps
 ``prefetch`` of them in flight on the sampler pool and hands them to the trainer in epoch
 order, so sampling runs on the (spot) samplers while the (on-demand) trainer computes.
@@ -13,6 +14,7 @@ optimizer, random state, epoch and position; a restarted driver goes on from the
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +38,12 @@ SAMPLERS, TRAINER = "gnn_sampler", "gnn_trainer"
 
 @dataclass
 class GraphSource:
-    """Where the graph comes from."""
+    """Where the graph comes from, and how its edges are read."""
 
     path: str | None = None
-    """A folder of .npy arrays, an .npz file, or a folder with nodes.parquet + edges.parquet (local or any pyarrow URI); null: generate a stochastic-block-model graph."""
+    """Your graph (null: generate a stochastic-block-model graph): an .npz file, or a folder of .npy files, with arrays x [N, F] real-valued features (finite; stored as float32); edge_index [2, E] integer node ids 0..N-1, row 0 the source and row 1 the target of each edge; y [N] integer class ids 0..C-1 (floats holding whole numbers are converted); train_mask, val_mask, test_mask [N] booleans (0/1 integers are converted). Or a folder with edges.parquet (integer columns src, dst) and nodes.parquet (one row per node in id order: y, the three masks, features as columns x0, x1, ... or a list column x). Local, or any pyarrow URI (s3://, gs://, hdfs://); never pickle."""
+    undirected: bool = True
+    """true: edges are undirected: each is used both ways (the reverse of an edge listed once is added), duplicates and self-loops are dropped, and the counts are reported. false: edges are used exactly as given, source -> target (a node aggregates only what flows into it); duplicates and self-loops are kept, and counted in the report."""
     nodes: int = cfg.field(5000, ge=16)
     """Generated graph: nodes."""
     avg_degree: float = cfg.field(20.0, gt=0)
@@ -123,6 +127,29 @@ class GraphSAGEConfig:
             raise ValueError(f"samplers ({self.samplers}) must not exceed max_samplers ({self.max_samplers})")
 
 
+def describe_input(report: dict) -> list[str]:
+    """Lines for the terminal on what was found in the graph's edges and done to them
+    (``report`` is :attr:`SharedGraph.report`; the run's events.jsonl holds it as ``graph_input``)."""
+    r, lines = report, []
+    found = f"{r['duplicates']} duplicate edges and {r['self_loops']} self-loops"
+    if not r["undirected"]:
+        back = f"{r['one_way']} edges have no reverse, so nothing flows back along them" if r["one_way"] else "every edge has its reverse"
+        lines.append(f"graph.undirected=false: {r['given']} edges used as given (source -> target), {found} kept; {back}")
+    elif not (r["reverses_added"] or r["duplicates"] or r["self_loops"]):
+        lines.append(f"graph.undirected=true: {r['given']} edges, already two-way, without duplicates or self-loops")
+    else:
+        lines.append(f"graph.undirected=true: {r['given']} edges given; added {r['reverses_added']} reverse edges (edges listed one way), "
+                     f"dropped {found}: {r['used']} edges used (each pair both ways)")
+    if r["isolated"]:
+        lines.append(f"warning: {r['isolated']} nodes have no edges ({r['isolated_train']} of them training seeds): GraphSAGE sees only their own features")
+    if r["no_in_edges"] > r["isolated"]:
+        lines.append(f"warning: {r['no_in_edges']} nodes have no in-edges ({r['no_in_edges_train']} of them training seeds): no neighbour's features reach them")
+    for other in ("val", "test"):
+        if r[f"train_and_{other}"]:
+            lines.append(f"warning: {r[f'train_and_{other}']} nodes are in both train_mask and {other}_mask: {other} accuracy is measured partly on training nodes")
+    return lines
+
+
 class GraphSAGEWorkload:
     name = "graphsage"
     main_metric = "test_acc"
@@ -134,7 +161,11 @@ class GraphSAGEWorkload:
         c = config
         cfg.validate(config)
         # Everything about the input is checked here, before any actor starts.
-        self.graph = graph if graph is not None else to_shared(c.graph.load(), c.samplers, seed=c.seed, feature_dtype=c.feature_dtype)
+        if graph is None:
+            graph = to_shared(c.graph.load(), c.samplers, seed=c.seed, feature_dtype=c.feature_dtype, undirected=c.graph.undirected)
+            for line in describe_input(graph.report):
+                print(f"raylane: graphsage: {line}", file=sys.stderr, flush=True)
+        self.graph = graph
         self.plan = epoch_plan([len(s) for s in self.graph.train_seeds], c.batch_size)
         self.n_train = sum(len(s) for s in self.graph.train_seeds)
         self.cursor = 0  # global batch number: epoch * len(plan) + position
@@ -169,6 +200,8 @@ class GraphSAGEWorkload:
     def setup(self, ctx: Context) -> None:
         c = self.config
         self._ctx = ctx
+        if self.graph.report:  # first: on record even if the actors never start
+            ctx.log.event("graph_input", **self.graph.report)  # what describe_input printed when the graph was built
         # One copy in the object store; every actor on a node maps the same pages.
         self._graph_ref = ray.put(self.graph)
         roles = {r.name: r for r in self.roles()}
