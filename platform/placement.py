@@ -14,6 +14,7 @@ be lost. The planner assigns actors to nodes of a :class:`~raylane.cluster.Clust
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from fractions import Fraction
@@ -150,7 +151,11 @@ class Plan:
 
 
 def _fits(free: Mapping[str, float], need: Mapping[str, float]) -> bool:
-    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
+    # all(free + 1e-9 >= v for every v > 0), as a plain loop: it runs once per placed actor.
+    for k, v in need.items():
+        if v > 0 and not free.get(k, 0.0) + 1e-9 >= v:
+            return False
+    return True
 
 
 def _take(free: dict[str, float], need: Mapping[str, float]) -> None:
@@ -158,53 +163,106 @@ def _take(free: dict[str, float], need: Mapping[str, float]) -> None:
         free[k] = free.get(k, 0.0) - v
 
 
-def _needs_for(role: RoleSpec, node: NodeInfo, free: Mapping[str, float]) -> dict[str, float] | None:
-    """The resources one actor of ``role`` takes on ``node``, or None if it cannot go there."""
-    need = dict(role.resources)
-    if role.accelerator == "require":
-        need["GPU"] = max(need.get("GPU", 0.0), 1.0)
-    elif role.accelerator == "prefer" and free.get("GPU", 0.0) >= 1.0:
-        need["GPU"] = max(need.get("GPU", 0.0), 1.0)
+def _need_variants(role: RoleSpec) -> tuple[dict[str, float], dict[str, float]]:
+    """What one actor of ``role`` reserves without a GPU, and with a whole one."""
+    plain = dict(role.resources)
+    return plain, {**plain, "GPU": max(plain.get("GPU", 0.0), 1.0)}
+
+
+def _needs_for(role: RoleSpec, node: NodeInfo, free: Mapping[str, float], variants: tuple[dict[str, float], dict[str, float]] | None = None) -> dict[str, float] | None:
+    """The resources one actor of ``role`` takes on ``node``, or None if it cannot go there.
+
+    ``variants`` (from :func:`_need_variants`) saves rebuilding them per call; the dict
+    returned is then one of them, so copy it before handing it out.
+    """
+    plain, gpu = variants or _need_variants(role)
+    takes_gpu = role.accelerator == "require" or (role.accelerator == "prefer" and free.get("GPU", 0.0) >= 1.0)
+    need = gpu if takes_gpu else plain
     return need if _fits(free, need) else None
 
 
-def _pick(role: RoleSpec, candidates: list[NodeInfo], free: dict[str, dict[str, float]], placed: Counter) -> tuple[NodeInfo, dict[str, float]] | None:
-    """Among nodes that fit, spread in proportion to speed: lowest (placed / speed) first."""
-    best = None
-    for node in candidates:
-        need = _needs_for(role, node, free[node.node_id])
-        if need is None:
-            continue
-        gpu_bonus = 0 if (role.accelerator == "prefer" and need.get("GPU", 0) > 0) else 1
-        key = (gpu_bonus, placed[node.node_id] / max(node.speed, 1e-9), -node.speed, node.node_id)
-        if best is None or key < best[0]:
-            best = (key, node, need)
-    return None if best is None else (best[1], best[2])
+class _Fitting:
+    """The nodes of one market that fit one more actor of ``role``, best first.
+
+    Placing an actor means taking, among the nodes that fit, the least key
+    ``(gpu_bonus, placed / speed, -speed, node_id)``: a free GPU first for a ``prefer``
+    role, then the node furthest below its speed-proportional share, then the faster
+    one, then the id. Scanning every node for each actor made a plan O(nodes x actors).
+    While one role is placed, a node's key and whether it fits change only when an
+    actor lands on that node (nothing else touches its ``free`` and ``placed``
+    entries), so a heap that re-keys just the picked node gives exactly the picks of
+    the scan in O(log nodes) per actor. Keys end in the node id, which is unique, so
+    the node, need and free dict after it in an entry are never compared.
+    """
+
+    def __init__(self, role: RoleSpec, nodes: Sequence[NodeInfo], free: dict[str, dict[str, float]], placed: Counter) -> None:
+        self.free, self.placed, self.gpu_rule = free, placed, role.accelerator
+
+        def with_bonus(need: dict[str, float]) -> tuple[dict[str, float], int]:
+            return need, 0 if role.accelerator == "prefer" and need.get("GPU", 0) > 0 else 1
+
+        # Worked out once per role rather than per actor, as is everything _entry can.
+        plain, gpu = _need_variants(role)
+        self.without_gpu, self.with_gpu = with_bonus(plain), with_bonus(gpu)
+        self.heap = [e for e in map(self._entry, nodes) if e is not None]
+        heapq.heapify(self.heap)
+
+    def _entry(self, node: NodeInfo) -> tuple | None:
+        """The node's heap entry for its next actor, or None when it does not fit one."""
+        free = self.free[node.node_id]
+        # The choice of :func:`_needs_for`, inlined: this runs once per placed actor.
+        rule = self.gpu_rule
+        takes_gpu = rule == "require" or (rule == "prefer" and free.get("GPU", 0.0) >= 1.0)
+        need, gpu_bonus = self.with_gpu if takes_gpu else self.without_gpu
+        if not _fits(free, need):
+            return None
+        return (gpu_bonus, self.placed[node.node_id] / max(node.speed, 1e-9), -node.speed, node.node_id, node, need, free)
+
+    def take(self) -> tuple[NodeInfo, dict[str, float]] | None:
+        """Place one actor on the best node (updating ``free`` and ``placed``); None if none fits."""
+        if not self.heap:
+            return None
+        node, need, free = self.heap[0][4:]
+        for k, v in need.items():  # _take, inlined: this runs once per placed actor
+            free[k] = free.get(k, 0.0) - v
+        self.placed[node.node_id] += 1
+        entry = self._entry(node)
+        if entry is None:
+            heapq.heappop(self.heap)
+        else:
+            heapq.heapreplace(self.heap, entry)
+        return node, dict(need)  # each assignment owns its resources dict
 
 
-def _assign(role: RoleSpec, usable: Sequence[NodeInfo], free: dict[str, dict[str, float]], want: int, lo: int, placed: Counter) -> list[tuple[NodeInfo, dict[str, float], str]]:
-    """Place ``want`` actors of ``role`` (at least ``lo``) into ``free``, which is updated."""
+def _assign(role: RoleSpec, usable: Sequence[NodeInfo], free: dict[str, dict[str, float]], want: int, lo: int, placed: Counter) -> list[Assignment]:
+    """Place ``want`` actors of ``role`` (at least ``lo``) into ``free``, which is updated.
+
+    Each actor goes to the best node of the preferred market that fits (:class:`_Fitting`),
+    else to the best node of the other market.
+    """
     preferred = [n for n in usable if n.market == role.preferred_market]
     other = [n for n in usable if n.market != role.preferred_market]
+    prefers = f"{'stateful' if role.stateful else 'stateless'} role prefers {role.preferred_market}"
+    fallback = f"fallback: {'no' if not preferred else 'no room on'} {role.preferred_market} nodes for {_fmt(role.resources)}"
+    first = _Fitting(role, preferred, free, placed)
+    # Built at the first fallback, from the free resources as they are then: nothing
+    # has been taken from the other market before, and once the preferred market is
+    # full it stays full (free only shrinks), so later actors all go here.
+    second: _Fitting | None = None
     out = []
     for i in range(want):
-        pick = _pick(role, preferred, free, placed)
-        reason = f"{'stateful' if role.stateful else 'stateless'} role prefers {role.preferred_market}"
+        pick, reason = first.take(), prefers
         if pick is None:
-            pick = _pick(role, other, free, placed)
-            if pick is not None:
-                where = "no" if not preferred else "no room on"
-                reason = f"fallback: {where} {role.preferred_market} nodes for {_fmt(role.resources)}"
+            second = second or _Fitting(role, other, free, placed)
+            pick, reason = second.take(), fallback
         if pick is None:
             if i >= lo:
                 break  # an elastic role takes what fits above its minimum
             raise PlacementError(_no_room(role, lo, i, usable, free))
         node, need = pick
-        _take(free[node.node_id], need)
-        placed[node.node_id] += 1
-        if need.get("GPU", 0) > 0 and role.accelerator == "prefer":
+        if role.accelerator == "prefer" and need.get("GPU", 0) > 0:
             reason += "; GPU free on this node"
-        out.append((node, need, reason))
+        out.append(Assignment(role.name, i, node.node_id, node.market, need, reason))
     return out
 
 
@@ -215,7 +273,7 @@ def plan(roles: Sequence[RoleSpec], cluster: ClusterView, counts: Mapping[str, i
     capacity by accident). ``counts`` overrides the number of actors per role (e.g. a
     pool's current target); elastic roles otherwise get as many as fit up to
     ``max_count``. Within a market, actors spread in proportion to node speed. Draining
-    and dead nodes are never used.
+    and dead nodes are never used. A plan costs O((nodes + actors) x log(nodes)).
 
     Raises :class:`PlacementError` naming the role, what one actor needs and what each
     node has free, when fewer than the required actors fit.
@@ -235,8 +293,7 @@ def plan(roles: Sequence[RoleSpec], cluster: ClusterView, counts: Mapping[str, i
         want = counts.get(role.name, role.hi)
         if want < role.lo or want > role.hi:
             raise PlacementError(f"role {role.name!r}: asked for {want} actors, allowed {role.lo}..{role.hi}")
-        for i, (node, need, reason) in enumerate(_assign(role, usable, free, want, role.lo, Counter())):
-            out.append(Assignment(role.name, i, node.node_id, node.market, need, reason))
+        out.extend(_assign(role, usable, free, want, role.lo, Counter()))
     return Plan(tuple(out))
 
 
@@ -258,23 +315,19 @@ def place_more(
     :class:`PlacementError`).
     """
     usable = [node for node in cluster.nodes if node.alive and not node.draining]
-    preferred_nodes = [node for node in usable if node.node_id not in set(avoid)]
-    out: list[Assignment] = []
+    avoided = set(avoid)
+    preferred_nodes = [node for node in usable if node.node_id not in avoided]
     for nodes in (preferred_nodes, usable):
         free = {node.node_id: dict(node.available) for node in nodes}
         for nid, res in (reserved or {}).items():
             if nid in free:
                 _take(free[nid], res)
         try:
-            picks = _assign(role, nodes, free, n, 1, Counter(existing or {}))
+            return _assign(role, nodes, free, n, 1, Counter(existing or {}))
         except PlacementError:
             if nodes is usable or len(preferred_nodes) == len(usable):
                 raise
-            continue
-        for i, (node, need, reason) in enumerate(picks):
-            out.append(Assignment(role.name, i, node.node_id, node.market, need, reason))
-        return out
-    return out
+    raise AssertionError("unreachable: the pass over all usable nodes returns or raises")
 
 
 def place_one(role: RoleSpec, cluster: ClusterView, avoid: Sequence[str] = ()) -> Assignment:
@@ -285,11 +338,12 @@ def place_one(role: RoleSpec, cluster: ClusterView, avoid: Sequence[str] = ()) -
 def capacity(role: RoleSpec, cluster: ClusterView) -> int:
     """How many actors of ``role`` the cluster's free resources hold right now (any market)."""
     total = 0
+    variants = _need_variants(role)
     for node in cluster.nodes:
         if not node.alive or node.draining:
             continue
         free = dict(node.available)
-        while (need := _needs_for(role, node, free)) is not None and total < 10_000:
+        while (need := _needs_for(role, node, free, variants)) is not None and total < 10_000:
             if not any(v > 0 for v in need.values()):
                 return 10_000  # a role that reserves nothing is never capacity-bound
             _take(free, need)

@@ -16,8 +16,13 @@ from raylane.placement import (
     SPOT,
     Assignment,
     PlacementError,
+    Plan,
     RoleSpec,
+    _fmt,
+    _needs_for,
+    _no_room,
     capacity,
+    place_more,
     place_one,
     plan,
     ray_options,
@@ -483,3 +488,205 @@ def test_plan_to_ray_options():
     assert (opts["num_cpus"], opts["num_gpus"]) == (1.0, 1.0)
     assert opts["scheduling_strategy"].node_id == NID
     assert math.isclose(opts["num_cpus"] + opts["num_gpus"], 2.0)
+
+
+# --------------------------------------------------------------------------- against the straightforward planner
+# The planner keeps the nodes that fit in a heap. The reference below is the planner it
+# replaced, a scan over every node for every actor, which is too slow for big clusters
+# but easy to check by eye; both must give the same plans and the same errors.
+
+
+def _ref_need(role, free):
+    need = dict(role.resources)
+    if role.accelerator == "require" or (role.accelerator == "prefer" and free.get("GPU", 0.0) >= 1.0):
+        need["GPU"] = max(need.get("GPU", 0.0), 1.0)
+    return need if all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0) else None
+
+
+def _ref_pick(role, candidates, free, placed):
+    best = None
+    for n in candidates:
+        need = _ref_need(role, free[n.node_id])
+        if need is not None:
+            gpu_bonus = 0 if (role.accelerator == "prefer" and need.get("GPU", 0) > 0) else 1
+            key = (gpu_bonus, placed.get(n.node_id, 0) / max(n.speed, 1e-9), -n.speed, n.node_id)
+            if best is None or key < best[0]:
+                best = (key, n, need)
+    return None if best is None else best[1:]
+
+
+def _ref_assign(role, usable, free, want, lo, placed):
+    preferred = [n for n in usable if n.market == role.preferred_market]
+    other = [n for n in usable if n.market != role.preferred_market]
+    out = []
+    for i in range(want):
+        pick = _ref_pick(role, preferred, free, placed)
+        reason = f"{'stateful' if role.stateful else 'stateless'} role prefers {role.preferred_market}"
+        if pick is None:
+            pick = _ref_pick(role, other, free, placed)
+            reason = f"fallback: {'no' if not preferred else 'no room on'} {role.preferred_market} nodes for {_fmt(role.resources)}"
+        if pick is None:
+            if i >= lo:
+                break
+            raise PlacementError(_no_room(role, lo, i, usable, free))
+        n, need = pick
+        for k, v in need.items():
+            free[n.node_id][k] = free[n.node_id].get(k, 0.0) - v
+        placed[n.node_id] = placed.get(n.node_id, 0) + 1
+        if role.accelerator == "prefer" and need.get("GPU", 0) > 0:
+            reason += "; GPU free on this node"
+        out.append(Assignment(role.name, i, n.node_id, n.market, need, reason))
+    return out
+
+
+def reference_plan(roles, cluster, counts=None):
+    usable = [n for n in cluster.nodes if n.alive and not n.draining]
+    free = {n.node_id: dict(n.available) for n in usable}
+    out = []
+    for role in sorted(roles, key=lambda r: (not r.stateful, roles.index(r))):
+        out += _ref_assign(role, usable, free, (counts or {}).get(role.name, role.hi), role.lo, {})
+    return out
+
+
+def reference_place_more(role, cluster, n, avoid, existing, reserved):
+    usable = [x for x in cluster.nodes if x.alive and not x.draining]
+    preferred = [x for x in usable if x.node_id not in avoid]
+    for nodes in (preferred, usable):
+        free = {x.node_id: dict(x.available) for x in nodes}
+        for nid, res in reserved.items():
+            for k, v in res.items():
+                if nid in free:
+                    free[nid][k] = free[nid].get(k, 0.0) - v
+        try:
+            return _ref_assign(role, nodes, free, n, 1, dict(existing))
+        except PlacementError:
+            if nodes is usable or len(preferred) == len(usable):
+                raise
+
+
+def outcome(fn):
+    """The assignments, or the error message: what the planner and the reference must agree on."""
+    try:
+        out = fn()
+    except PlacementError as exc:
+        return str(exc)
+    out = out.assignments if hasattr(out, "assignments") else out
+    return [(a.role, a.index, a.node_id, a.market, list(a.resources.items()), a.reason) for a in out]
+
+
+def random_inventory(rng: random.Random, n_nodes: int, n_actors: int, *, exact: bool = False) -> tuple[list[RoleSpec], ClusterView]:
+    """Mixed markets and speeds, some GPUs, partly used nodes, a few dead or draining ones,
+    and three roles: one stateful that needs (or prefers) a GPU, one stateful on CPUs,
+    one stateless. ``exact`` keeps every amount a whole number (no rounding anywhere)."""
+    nodes = []
+    for i in range(n_nodes):
+        cpus = float(rng.choice([8, 16, 32, 64] if exact else [1, 2, 3.5, 4, 16]))
+        gpus = float(rng.choice([0, 0, 0, 0, 4] if exact else [0, 0, 0, 1, 2, 8]))
+        used = rng.choice([0, 0, 1, 2] if exact else [0, 0, 0.5, 1 / 3, rng.uniform(0, cpus)])
+        speed = rng.choice([0.5, 1.0, 1.0, 2.0, 3.0, 1 / 3, round(rng.uniform(0.1, 4.0), 3)])
+        nodes.append(
+            node(
+                f"{rng.getrandbits(16):04x}{i:05d}",  # random order, never equal
+                ON_DEMAND if rng.random() < 0.35 else SPOT,
+                speed=speed,
+                cpus=cpus,
+                gpus=gpus,
+                free_cpu=max(cpus - used, 0.0),
+                free_gpu=gpus if exact or rng.random() < 0.7 else max(gpus - 1, 0.0),
+                alive=rng.random() > 0.03,
+                draining=rng.random() < 0.03,
+            )
+        )
+    cpu = (lambda: 1.0) if exact else (lambda: rng.choice([1.0, 0.5, 2.0, 0.25, 1 / 3]))
+
+    def sized(share: float) -> dict:
+        n = max(1, int(n_actors * share))
+        return {"count": n} if rng.random() < 0.5 else {"min_count": max(1, n // 2), "max_count": n}
+
+    roles = [
+        RoleSpec("learner", {"CPU": cpu()}, stateful=True, accelerator="require" if exact or rng.random() < 0.7 else "prefer", **sized(0.05)),
+        RoleSpec("param_shard", {"CPU": 2 * cpu()}, stateful=True, **sized(0.25)),
+        RoleSpec("rollout_worker", {"CPU": cpu()}, **sized(0.7)),
+    ]
+    rng.shuffle(roles)
+    return roles, ClusterView(tuple(nodes), taken_at=0.0)
+
+
+def test_plan_matches_reference_on_random_inventories():
+    rng = random.Random(7)
+    agreed = {"plans": 0, "errors": 0}
+    for case in range(300):
+        roles, cluster = random_inventory(rng, rng.randint(1, 30), rng.randint(1, 120))
+        counts = {r.name: rng.randint(r.lo, r.hi) for r in roles if rng.random() < 0.3}
+        got = outcome(lambda: plan(roles, cluster, counts))
+        assert got == outcome(lambda: reference_plan(roles, cluster, counts)), f"case {case}"
+        agreed["plans" if isinstance(got, list) else "errors"] += 1
+    assert agreed["plans"] > 100 and agreed["errors"] > 10, agreed  # both paths were exercised
+
+
+def test_place_more_matches_reference_on_random_inventories():
+    rng = random.Random(11)
+    for case in range(300):
+        roles, cluster = random_inventory(rng, rng.randint(1, 20), 40)
+        role = rng.choice(roles)
+        ids = [n.node_id for n in cluster.nodes]
+        avoid = rng.sample(ids, rng.randint(0, len(ids)))
+        existing = {i: rng.randint(0, 5) for i in ids if rng.random() < 0.5}
+        reserved = {i: {"CPU": rng.choice([0.5, 1.0])} for i in ids if rng.random() < 0.3}
+        n = rng.randint(1, 30)
+        got = outcome(lambda: place_more(role, cluster, n, avoid=avoid, existing=existing, reserved=reserved))
+        assert got == outcome(lambda: reference_place_more(role, cluster, n, set(avoid), existing, reserved)), f"case {case}"
+
+
+def test_bigger_plan_matches_reference():
+    roles, cluster = random_inventory(random.Random(3), 300, 3000, exact=True)
+    assert outcome(lambda: plan(roles, cluster)) == outcome(lambda: reference_plan(roles, cluster))
+
+
+def _left_after(p, cluster) -> dict[str, dict[str, float]]:
+    """Each usable node's free resources once the plan's actors are started, taken in plan order as the planner does."""
+    free = {n.node_id: dict(n.available) for n in cluster.nodes if n.usable}
+    for a in p.assignments:
+        for k, v in a.resources.items():
+            free[a.node_id][k] = free[a.node_id].get(k, 0.0) - v
+    return free
+
+
+def test_large_plan_properties():
+    roles, cluster = random_inventory(random.Random(5), 2000, 20000, exact=True)
+    p = plan(roles, cluster)
+    nodes = {n.node_id: n for n in cluster.usable}
+    left = _left_after(p, cluster)
+    # every node keeps within what it had free
+    assert all(v >= -1e-9 for res in left.values() for v in res.values())
+    fallbacks = 0
+    for role in roles:
+        mine = p.for_role(role.name)
+        assert [a.index for a in mine] == list(range(len(mine)))
+        assert role.lo <= len(mine) <= role.hi
+        assert all(a.node_id in nodes and a.market == nodes[a.node_id].market for a in mine)
+        if role.accelerator == "require":
+            assert all(a.resources.get("GPU", 0) >= 1 for a in mine)
+        # the preferred market first; the other one only once no preferred node fits
+        home = [a for a in mine if a.market == role.preferred_market]
+        away = [a for a in mine if a.market != role.preferred_market]
+        assert mine == home + away
+        assert all(a.reason.startswith("fallback: no room on") for a in away)
+        fits = {nid for nid, res in left.items() if _needs_for(role, nodes[nid], res) is not None}
+        if away:
+            fallbacks += 1
+            assert not any(nodes[nid].market == role.preferred_market for nid in fits), role.name
+        if len(mine) < role.hi:
+            assert not fits, role.name  # an elastic role stops short only when nothing fits
+        # in proportion to speed: no node took an actor while a node that still has room
+        # was further below its share (placed / speed)
+        placed = per_node(Plan(tuple(home)), role.name)
+        with_room = [n for n in fits if nodes[n].market == role.preferred_market]
+        if placed and with_room:
+            highest_last = max((c - 1) / nodes[n].speed for n, c in placed.items())
+            assert highest_last <= min(placed.get(n, 0) / nodes[n].speed for n in with_room), role.name
+    assert fallbacks >= 1  # the GPU role outgrows the on-demand GPUs in this inventory
+    # the order of nodes in the snapshot does not matter, and plans are repeatable
+    shuffled = list(cluster.nodes)
+    random.Random(1).shuffle(shuffled)
+    assert plan(roles, ClusterView(tuple(shuffled), taken_at=0.0)) == p
