@@ -221,6 +221,8 @@ class Driver:
         self._has_autoscaler: bool | None = None
         self._stop_reason: str | None = None
         self._started_running = False
+        self._started_at = time.time()
+        self._evictions_seen: dict[str, float] = {}  # role -> time of the last eviction logged
 
     # ------------------------------------------------------------ state machine
 
@@ -310,6 +312,7 @@ class Driver:
                     runlog.metrics(self.step, {**metrics, **self._pool_sizes()})
                     progress.update(self.step, metrics)
                     notice = self._handle_events()
+                    self._log_evictions()
                     self._settle_pools()
                     self._control()
                     self._checkpoint(notice=notice)
@@ -508,6 +511,17 @@ class Driver:
         if any(isinstance(e, (NodeJoined, NodeLost)) for e in events):
             self._rescale(pools)
         return self._stateful_on_leaving() or notice
+
+    def _log_evictions(self) -> None:
+        """Every actor that left a pool since the last step is an event with its node and
+        cause (a lost rollout worker or sampler costs only time, but it must be visible)."""
+        assert self._ctx is not None
+        for role, pool in self.workload.pools().items():
+            seen = self._evictions_seen.get(role, self._started_at)
+            for e in pool.status().evictions:
+                if e.at > seen:
+                    self._ctx.log.event("eviction", role=role, actor=e.actor, node=e.node_id, reason=e.reason, at=e.at, step=self.step)
+                    self._evictions_seen[role] = max(self._evictions_seen.get(role, seen), e.at)
 
     def _stateful_on_leaving(self) -> bool:
         """Stateful actors still on a node under notice (the workload did not hand their

@@ -107,6 +107,9 @@ def test_every_rollout_worker_killed_mid_iteration_is_sampled_again_without_a_ro
     hit = [r for r in rows if r["lost_batches"] > 0]
     assert hit and hit[0]["workers"] >= 1 and hit[0]["lost_batches"] >= 2, [(r["step"], r["workers"], r["lost_batches"]) for r in rows]
     assert rows[-1]["env_steps"] >= 120_000
+    evictions = [e for e in read_jsonl(tmp_path / "allkill" / "events.jsonl") if e["event"] == "eviction"]
+    assert len(evictions) == 2 and {e["role"] for e in evictions} == {"rollout_worker"}, evictions  # each death is on record
+    assert all(e["node"] and e["actor"] and "died" in e["reason"] for e in evictions), evictions
 
 
 def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_local, tmp_path):

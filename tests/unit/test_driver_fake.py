@@ -236,7 +236,7 @@ class FakePool:
         self.evacuated = []
 
     def status(self):
-        return type("S", (), {"nodes": self._nodes})()
+        return type("S", (), {"nodes": self._nodes, "evictions": ()})()
 
     def evacuate(self, node_id, reason):
         self.evacuated.append((node_id, reason))
