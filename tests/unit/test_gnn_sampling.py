@@ -317,7 +317,7 @@ def assert_equal_up_to_summation_order(a: torch.Tensor, b: torch.Tensor) -> None
     float sum moves it by a few units in the last place of its largest terms: allow 64
     of them (eps times the largest magnitude), far below what one wrong node or edge
     changes (order one)."""
-    tol = 64 * torch.finfo(a.dtype).eps * float(a.abs().max())
+    tol = 64 * torch.finfo(a.dtype).eps * float(a.detach().abs().max())
     torch.testing.assert_close(b, a, rtol=0.0, atol=tol)
 
 
