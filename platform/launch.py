@@ -67,9 +67,12 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
     changes = runconfig.check_resume(spec.name, conf, run_dir, accept_changes=resume_with_changes)
     workload = build_workload(spec, conf)
     runconfig.write_record(spec.name, conf, run_dir)
-    if changes:
+    if changes or conf.driver.run_name != name:
         log = RunLog(run_dir, tensorboard=False)
-        log.event("config_changed", changes=[{"key": k, "run": a, "now": b} for k, a, b in changes])
+        if conf.driver.run_name != name:
+            log.event("run_renamed", asked=name, used=conf.driver.run_name, reason="--new: the asked name is an existing run")
+        if changes:
+            log.event("config_changed", changes=[{"key": k, "run": a, "now": b} for k, a, b in changes])
         log.close()
         for k, a, b in changes:
             _say(f"resuming with a changed {k}: {a!r} -> {b!r}")

@@ -75,3 +75,6 @@ def test_a_reused_run_name_resumes_only_its_own_config(ray_local, tmp_path, capf
     assert changed[0]["changes"] == [{"key": "driver.max_steps", "run": 6, "now": 9}]
     fresh = run_job(spec, load_job_config(spec, overrides=[*base, "lr=0.1"], run_name="lin"), new=True)
     assert fresh["run"] == "lin-2" and fresh["resumed_from"] is None and fresh["steps"] == 6
+    renamed = [e for e in read_jsonl(tmp_path / "lin-2" / "events.jsonl") if e["event"] == "run_renamed"]
+    assert renamed and renamed[0]["asked"] == "lin" and renamed[0]["used"] == "lin-2"
+    assert "--new starts a fresh run named 'lin-2'" in capfd.readouterr().err
