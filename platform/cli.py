@@ -129,12 +129,28 @@ def run(
         console.print(f"{spec.name}: stopped at step {summary['steps']} ({summary.get('stop_reason') or 'stop requested'}); "
                       f"run again with --run-name {summary['run']} to continue")
         console.print(f"run folder: {summary['run_dir']}")
-        if "SIGINT" in str(summary.get("stop_reason")):
-            raise typer.Exit(130)  # as a shell reports a program ended by Ctrl-C
+        _end(130 if "SIGINT" in str(summary.get("stop_reason")) else 0)  # 130: as a shell reports a program ended by Ctrl-C
         return
     metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary["final_metrics"].items())
     console.print(f"{spec.name}: {summary['state']} after {summary['steps']} steps in {summary['wall_time_s']:.1f} s; {metrics}")
     console.print(f"run folder: {summary['run_dir']}")
+    _end(0)
+
+
+def _end(code: int) -> None:
+    """Leave with ``code`` once Ray is shut down, or without waiting for it when the shutdown
+    stalls: a signal to the whole process group may be stopping the embedded Ray right now,
+    and a shutdown against it would wait out the core worker's 60 s reconnect."""
+    import os
+
+    from raylane import session
+
+    if not session.shutdown_within(8.0):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise typer.Exit(code)
 
 
 from raylane import cli_control  # noqa: E402 - the commands that talk to a running job

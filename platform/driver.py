@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from raylane.policies import Autoscaler, CheckpointPolicy, CheckpointStatus, Fai
 from raylane.pool import LOST, ActorPool, PoolError, WorkError
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 from raylane.runlog import Progress, RunLog
+from raylane.runlog import say as _say
 from raylane.runpaths import check_run_name, check_writable_dir
 
 log = logging.getLogger(__name__)
@@ -387,6 +387,7 @@ class Driver:
             _say(f"resuming run {self.run_name!r} from step {latest.step} (checkpoint {latest.path})")
         else:
             if skipped:
+                runlog.event("resume_none", skipped=len(skipped), reason="no checkpoint of this run loads; starting from step 0")
                 _say(f"run {self.run_name!r} has no checkpoint that loads ({len(skipped)} skipped, see above); starting from step 0")
             # The initial state, so that a failure before the first periodic checkpoint
             # still has something consistent to recover to.
@@ -729,11 +730,6 @@ class Driver:
             "stop_reason": self._stop_reason if self.state is State.STOPPED else None,
             "run_dir": str(self.run_dir),
         }
-
-
-def _say(message: str) -> None:
-    """A line for the person at the terminal (the run's events record the same)."""
-    print(f"raylane: {message}", file=sys.stderr, flush=True)
 
 
 def _fmt_res(res: dict[str, float]) -> str:

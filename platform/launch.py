@@ -53,6 +53,7 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
     from raylane import session
     from raylane.driver import Driver, default_run_name
     from raylane.runlog import RunLog
+    from raylane.runlog import say as _say
 
     try:
         conf.driver.check_paths()
@@ -78,10 +79,6 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
             _say(f"resuming with a changed {k}: {a!r} -> {b!r}")
     session.connect(address, dashboard=dashboard)
     return Driver(workload, conf.driver).run()
-
-
-def _say(message: str) -> None:
-    print(f"raylane: {message}", file=sys.stderr, flush=True)
 
 
 def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -61,6 +62,11 @@ class RunLog:
         self._events.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def say(message: str) -> None:
+    """A line for the person at the terminal (the run's events record the same)."""
+    print(f"raylane: {message}", file=sys.stderr, flush=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -42,6 +42,24 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, dashboar
     return ray.get_runtime_context().gcs_address
 
 
+def shutdown_within(timeout_s: float) -> bool:
+    """``ray.shutdown()``, given up after ``timeout_s``; True when it finished. Either way
+    it is not run again at exit (where it could wait out the core worker's 60 s reconnect
+    to a Ray that was killed under this process)."""
+    import atexit
+
+    import ray
+
+    if not ray.is_initialized():
+        return True
+    worker = threading.Thread(target=ray.shutdown, name="raylane-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    atexit.unregister(ray.shutdown)
+    _EMBEDDED.clear()
+    return not worker.is_alive()
+
+
 def _own_token_file() -> None:
     """Before a local start with token authentication and no token yet: write the token
     file ourselves, readable by its owner only, for Ray to find. Left to Ray, the local

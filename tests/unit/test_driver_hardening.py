@@ -98,3 +98,17 @@ def test_a_run_that_cannot_start_keeps_the_summary_of_the_finished_run(tmp_path)
     assert json.loads((tmp_path / "r" / "summary.json").read_text()) == finished
     start_failed = [e for e in read_jsonl(tmp_path / "r" / "events.jsonl") if e["event"] == "start_failed"]
     assert len(start_failed) == 1 and "size mismatch" in start_failed[0]["error"]
+
+
+def test_a_run_with_no_checkpoint_that_loads_starts_over_and_says_so(tmp_path, capfd):
+    drive(tmp_path, Counter(), max_steps=4, checkpoint_every_steps=0, keep_checkpoints=1)
+    store_dir = tmp_path / "r" / "checkpoints"
+    assert CheckpointStore(str(store_dir)).steps() == [4]
+    poison(store_dir, 4)
+    w = Counter()
+    with pytest.warns(UserWarning, match="not a plain-tensor file"):
+        d, summary = drive(tmp_path, w, max_steps=4, checkpoint_every_steps=0, keep_checkpoints=1)
+    assert summary["resumed_from"] is None and w.applied == [0, 1, 2, 3]
+    none = [e for e in read_jsonl(tmp_path / "r" / "events.jsonl") if e["event"] == "resume_none"]
+    assert len(none) == 1 and none[0]["skipped"] == 1
+    assert "has no checkpoint that loads (1 skipped" in capfd.readouterr().err
