@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMoni
 from raylane.runlog import Progress, RunLog
 from raylane.runlog import say as _say
 from raylane.runpaths import check_run_name, check_writable_dir
+from raylane.signals import SignalTap
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,7 @@ class Driver:
         self._requested: list | None = None
         self._has_autoscaler: bool | None = None
         self._stop_reason: str | None = None
+        self._signals: SignalTap | None = None
         self._started_running = False
         self._started_at = time.time()
         self._evictions_seen: dict[str, float] = {}  # role -> time of the last eviction logged
@@ -256,19 +257,17 @@ class Driver:
         # `raylane stop` / `ray job stop` send SIGTERM and Ctrl-C sends SIGINT: both end at
         # the next step boundary with a checkpoint instead of dying mid-step (Ray sends
         # SIGKILL a few seconds after SIGTERM; a second Ctrl-C aborts at once).
-        if threading.current_thread() is threading.main_thread():
-            previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTERM, self._on_sigterm), (signal.SIGINT, self._on_sigint))}
-            try:
-                return self._run()
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-        return self._run()
+        with SignalTap({signal.SIGTERM: self._on_sigterm, signal.SIGINT: self._on_sigint}) as self._signals:
+            return self._run()
 
     def _on_ray_gone(self, why: str, started: float, runlog: RunLog) -> None:
         """The embedded Ray died under the driver (a signal to the whole process group
         reaches it too): nothing more can be saved, and every Ray call would wait out the
         core worker's 60 s reconnect. Say so, leave the summary, and end the process now."""
+        if self._stop_reason is None and self._signals is not None:
+            # the signal that killed Ray reached this process too, but its handler waits for
+            # the main thread, which may be blocked in a Ray call: read it from the wakeup pipe
+            self._stop_reason = self._signals.stop_reason(wait_s=1.0)
         state = State.STOPPED if self._stop_reason else State.FAILED
         reason = (f"{why}: the Ray this run started was stopped under it (a signal sent to the whole process group "
                   f"stops it too; send it to the raylane process alone to stop at a step boundary). {self._ckpt_hint()}")
