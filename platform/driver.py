@@ -105,6 +105,8 @@ class DriverConfig:
     """Keep the newest K checkpoints."""
     max_failures: int = cfg.field(3, ge=0)
     """Failures the run recovers from before it is FAILED."""
+    max_recovery_s: float = cfg.field(600.0, ge=0)
+    """Seconds one recovery may take (failure to running again) before the run is FAILED; 0: no limit."""
     resume: bool = True
     """Continue from the run's latest checkpoint when the run folder already has one."""
     autoscale: bool = True
@@ -196,7 +198,7 @@ class Driver:
         self.config = config
         self.run_name = check_run_name(config.run_name or default_run_name(workload.name), "driver.run_name")
         self.run_dir = Path(config.runs_dir) / self.run_name
-        self.failure_policy = failure_policy or FailurePolicy(max_failures=config.max_failures)
+        self.failure_policy = failure_policy or FailurePolicy(max_failures=config.max_failures, max_recovery_s=config.max_recovery_s)
         self.checkpoint_policy = CheckpointPolicy(config.checkpoint_every_steps, config.checkpoint_every_s)
         self.scaling_policy = scaling_policy or ScalingPolicy(grow=config.autoscale)
         self.poll_events = poll_events
@@ -453,10 +455,12 @@ class Driver:
         the policy gives up (a failure while recovering counts as another failure)."""
         assert self._ctx is not None
         self._to(State.RECOVERING, f"{type(exc).__name__} at step {self.step}")
+        since: float | None = None  # None for the failure that starts this recovery
         while True:
             role = getattr(exc, "role", None) or "workload"
             self.failures.append(Failure(role, getattr(exc, "actor", "?"), f"{type(exc).__name__}: {exc}", self.step, time.time()))
-            decision = self.failure_policy.decide(self.failures, recoverable=is_recoverable(exc))
+            decision = self.failure_policy.decide(self.failures, recoverable=is_recoverable(exc), recovering_since=since)
+            since = self.failures[-1].at if since is None else since
             self._ctx.log.event("failure", step=self.step, role=role, error=str(exc)[:2000], decision=decision.action, reason=decision.reason)
             if decision.action == "fail":
                 self._to(State.FAILED, decision.reason)

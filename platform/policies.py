@@ -54,20 +54,31 @@ class FailurePolicy:
     """Failures (of any role) the run survives in total."""
     per_role: Mapping[str, int] = field(default_factory=dict)
     """Tighter budgets for some roles, e.g. ``{"learner": 1}``."""
+    max_recovery_s: float = 600.0
+    """Seconds one recovery may take, from the failure to a running job (rebuilding actors,
+    waiting for room, reloading the checkpoint), before the run is FAILED; 0: no limit."""
 
     def __post_init__(self) -> None:
         if self.max_failures < 0:
             raise ValueError(f"max_failures must be >= 0, got {self.max_failures}")
+        if not (self.max_recovery_s >= 0 and math.isfinite(self.max_recovery_s)):
+            raise ValueError(f"max_recovery_s must be a finite number >= 0 (0: no limit), got {self.max_recovery_s}")
         for role, n in self.per_role.items():
             if n < 0:
                 raise ValueError(f"per_role[{role!r}] must be >= 0, got {n}")
 
-    def decide(self, failures: Sequence[Failure], *, recoverable: bool = True) -> Decision:
+    def decide(self, failures: Sequence[Failure], *, recoverable: bool = True, recovering_since: float | None = None) -> Decision:
+        """``recovering_since``: when the recovery under way began (the time of the failure
+        that started it), or None when the run was running until this failure."""
         if not failures:
             return Decision("recover", "no failures")
         last = failures[-1]
         if not recoverable:
             return Decision("fail", f"not recoverable: {_headline(last.message)}")
+        if recovering_since is not None and self.max_recovery_s and last.at - recovering_since > self.max_recovery_s:
+            return Decision("fail", f"recovery did not succeed within max_recovery_s={self.max_recovery_s:g} s "
+                                    f"({last.at - recovering_since:.0f} s since the failure at step {last.step}); "
+                                    f"last error: {_headline(last.message)}")
         if len(failures) > self.max_failures:
             return Decision("fail", f"{len(failures)} failures exceed max_failures={self.max_failures}:\n{group_errors(failures)}")
         for role, budget in self.per_role.items():

@@ -76,30 +76,56 @@ def nodes() -> list[RawNode]:
     return out
 
 
-def kv_get(key: str) -> Any | None:
+# The control channel calls these every step: each has a deadline, so a GCS that stopped
+# answering (restarting, or stopped under an embedded run) costs a warning, not a hang.
+KV_TIMEOUT_S = 5.0
+
+
+def _kv():
+    """The GCS client when this process is a Ray driver or worker; None under Ray Client
+    (``ray://``), whose KV calls go through the client's own channel and its deadlines."""
     from ray.experimental import internal_kv
 
-    raw = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    return internal_kv.global_gcs_client
+
+
+def kv_get(key: str, timeout_s: float = KV_TIMEOUT_S) -> Any | None:
+    from ray.experimental import internal_kv
+
+    gcs = _kv()
+    raw = (internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) if gcs is None
+           else gcs.internal_kv_get(key.encode(), KV_NAMESPACE.encode(), timeout=timeout_s))
     return None if raw is None else json.loads(raw)
 
 
-def kv_put(key: str, value: Any) -> None:
+def kv_put(key: str, value: Any, timeout_s: float = KV_TIMEOUT_S) -> None:
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(key, json.dumps(value), overwrite=True, namespace=KV_NAMESPACE)
+    gcs, raw = _kv(), json.dumps(value)
+    if gcs is None:
+        internal_kv._internal_kv_put(key, raw, overwrite=True, namespace=KV_NAMESPACE)
+    else:
+        gcs.internal_kv_put(key.encode(), raw.encode(), True, KV_NAMESPACE.encode(), timeout=timeout_s)
 
 
-def kv_del(key: str) -> None:
+def kv_del(key: str, timeout_s: float = KV_TIMEOUT_S) -> None:
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+    gcs = _kv()
+    if gcs is None:
+        internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+    else:
+        gcs.internal_kv_del(key.encode(), False, KV_NAMESPACE.encode(), timeout=timeout_s)
 
 
-def kv_keys(prefix: str) -> list[str]:
+def kv_keys(prefix: str, timeout_s: float = KV_TIMEOUT_S) -> list[str]:
     """Keys in raylane's namespace that start with ``prefix``."""
     from ray.experimental import internal_kv
 
-    return sorted(k.decode() if isinstance(k, bytes) else k for k in internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE))
+    gcs = _kv()
+    keys = (internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE) if gcs is None
+            else gcs.internal_kv_keys(prefix.encode(), KV_NAMESPACE.encode(), timeout=timeout_s))
+    return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
 
 def autoscaler_present() -> bool:

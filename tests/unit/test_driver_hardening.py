@@ -112,3 +112,22 @@ def test_a_run_with_no_checkpoint_that_loads_starts_over_and_says_so(tmp_path, c
     none = [e for e in read_jsonl(tmp_path / "r" / "events.jsonl") if e["event"] == "resume_none"]
     assert len(none) == 1 and none[0]["skipped"] == 1
     assert "has no checkpoint that loads (1 skipped" in capfd.readouterr().err
+
+
+def test_a_recovery_that_keeps_failing_ends_at_max_recovery_s_not_at_the_failure_count(tmp_path):
+    import time
+
+    class NeverBack(Counter):
+        def recover(self, ctx, error):
+            self.recoveries += 1
+            time.sleep(0.2)  # each attempt takes at least this long, so the bound must bite
+            raise PoolError(f"still no room (attempt {self.recoveries})")
+
+    from raylane.pool import PoolError
+
+    w = NeverBack(fail_at={3})
+    with pytest.raises(DriverError, match=r"recovery did not succeed within max_recovery_s=0.5 s") as info:
+        drive(tmp_path, w, max_steps=10, max_failures=1000, max_recovery_s=0.5)
+    assert 3 <= w.recoveries <= 20 and "still no room" in str(info.value)
+    failures = [e for e in read_jsonl(tmp_path / "r" / "events.jsonl") if e["event"] == "failure"]
+    assert failures[-1]["decision"] == "fail" and all(e["decision"] == "recover" for e in failures[:-1])

@@ -205,3 +205,24 @@ def test_scaling_leaves_fixed_size_roles_alone():
     policy = ScalingPolicy()
     pools = [pool("shard", desired=4, target=4, live=2, lo=4, hi=4, fits_more=0), pool("worker", desired=5, target=3, live=3, lo=1, hi=6, fits_more=1)]
     assert policy.targets(pools) == {"worker": 4}
+
+
+def test_a_recovery_that_outlasts_max_recovery_s_fails_the_run_naming_the_limit():
+    policy = FailurePolicy(max_failures=100, max_recovery_s=60)
+    first = Failure("worker", "#0", "actor died", 7, at=1000.0)
+    assert policy.decide([first]).action == "recover"  # the failure that starts the recovery
+    again = Failure("worker", "#1", "no room for 2 workers", 7, at=1030.0)
+    assert policy.decide([first, again], recovering_since=1000.0).action == "recover"
+    late = Failure("worker", "#1", "no room for 2 workers", 7, at=1061.0)
+    decision = policy.decide([first, again, late], recovering_since=1000.0)
+    assert decision.action == "fail"
+    assert "max_recovery_s=60" in decision.reason and "61 s since the failure at step 7" in decision.reason
+    assert "no room for 2 workers" in decision.reason
+    unbounded = FailurePolicy(max_failures=100, max_recovery_s=0)
+    assert unbounded.decide([first, again, late], recovering_since=1000.0).action == "recover"
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_max_recovery_s_must_be_finite_and_not_negative(bad):
+    with pytest.raises(ValueError, match="max_recovery_s"):
+        FailurePolicy(max_recovery_s=bad)
