@@ -184,7 +184,7 @@ class GraphSAGEWorkload:
         c = self.config
         return [
             RoleSpec(TRAINER, {"CPU": c.trainer_cpus}, count=1, stateful=True, accelerator="prefer"),
-            RoleSpec(SAMPLERS, {"CPU": c.sampler_cpus}, min_count=1, max_count=c.max_samplers),
+            RoleSpec(SAMPLERS, {"CPU": c.sampler_cpus}, min_count=1, max_count=c.max_samplers, want=c.samplers),
         ]
 
     def _trainer_config(self) -> TrainerConfig:

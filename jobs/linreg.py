@@ -73,7 +73,7 @@ class LinRegWorkload:
         self.pool: ActorPool | None = None
 
     def roles(self) -> list[RoleSpec]:
-        return [RoleSpec(ROLE, {"CPU": 1.0}, min_count=1, max_count=self.config.max_workers)]
+        return [RoleSpec(ROLE, {"CPU": 1.0}, min_count=1, max_count=self.config.max_workers, want=self.config.workers)]
 
     def setup(self, ctx: Context) -> None:
         c = self.config

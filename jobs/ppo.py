@@ -142,7 +142,7 @@ class PPOWorkload:
         c = self.config
         return [
             RoleSpec(LEARNER, {"CPU": 1.0}, count=1, stateful=True, accelerator="prefer"),
-            RoleSpec(WORKERS, {"CPU": c.worker_cpus}, min_count=1, max_count=c.max_workers),
+            RoleSpec(WORKERS, {"CPU": c.worker_cpus}, min_count=1, max_count=c.max_workers, want=c.workers),
         ]
 
     def _learner_config(self) -> LearnerConfig:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from raylane import config as cfg
 from raylane.checkpoint import CheckpointStore
 from raylane.cluster import MARKET_LABEL, ClusterView
-from raylane.placement import Plan, RoleSpec, capacity, plan
+from raylane.placement import Plan, RoleSpec, capacity, plan, shortfalls
 from raylane.policies import Autoscaler, CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, PoolAutoscale, PoolView, ScalingPolicy
 from raylane.pool import LOST, ActorPool, PoolError, WorkError
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
@@ -363,7 +363,17 @@ class Driver:
         the_plan = plan(roles, cluster)
         self._ctx = Context(cluster, the_plan, store, self.run_dir, runlog)
         runlog.event("plan", assignments=[a.__dict__ for a in the_plan.assignments])
+        short = shortfalls(roles, the_plan)
+        for s in short:
+            runlog.event("shortfall", **s)
+            _say(f"{s['role']}: asked for {s['asked']}, the cluster holds {s['got']} now; missing {_fmt_res(s['missing'])}. "
+                 f"Running with {s['got']}; " + (f"the pool grows toward {s['asked']} as room appears." if self.config.autoscale
+                                                  else f"driver.autoscale is off: `raylane scale` grows it."))
         self.workload.setup(self._ctx)
+        pools = self.workload.pools()
+        for s in short:  # the ask stands: the pool grows back to it when nodes with room join
+            if s["role"] in pools:
+                self._desired[s["role"]] = s["asked"]
         if self.poll_events and self._monitor is None:
             self._monitor = PreemptionMonitor()
         if self.config.control:

@@ -85,6 +85,9 @@ class RoleSpec:
     """True when the actor holds state that must not be lost (prefers on-demand nodes)."""
     accelerator: Literal["none", "prefer", "require"] = "none"
     """``prefer``: take one GPU where a node has one free, else run on CPU. ``require``: GPU nodes only."""
+    want: int | None = None
+    """Elastic roles: how many actors the user asked to start with. A plan that holds fewer
+    is reported (terminal and ``shortfall`` event) with the resources missing; None: no report."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -103,6 +106,8 @@ class RoleSpec:
                 raise ValueError(f"role {self.name!r}: give count, or both min_count and max_count")
             if lo < 1 or hi < lo:
                 raise ValueError(f"role {self.name!r}: need 1 <= min_count <= max_count, got min_count={lo}, max_count={hi}")
+        if self.want is not None and not self.lo <= self.want <= self.hi:
+            raise ValueError(f"role {self.name!r}: want must be between {self.lo} and {self.hi}, got {self.want}")
         if self.accelerator not in ("none", "prefer", "require"):
             raise ValueError(f"role {self.name!r}: accelerator must be 'none', 'prefer' or 'require', got {self.accelerator!r}")
 
@@ -263,6 +268,20 @@ def _assign(role: RoleSpec, usable: Sequence[NodeInfo], free: dict[str, dict[str
         if role.accelerator == "prefer" and need.get("GPU", 0) > 0:
             reason += "; GPU free on this node"
         out.append(Assignment(role.name, i, node.node_id, node.market, need, reason))
+    return out
+
+
+
+def shortfalls(roles: Sequence[RoleSpec], the_plan: Plan) -> list[dict]:
+    """Roles whose plan holds fewer actors than they want: role, asked, got, and the Ray
+    resources the missing actors would need (what the cluster would have to add)."""
+    out = []
+    for r in roles:
+        asked = r.want if r.want is not None else r.lo
+        got = the_plan.count(r.name)
+        if got < asked:
+            missing = {k: v * (asked - got) for k, v in sorted(r.resources.items()) if v}
+            out.append({"role": r.name, "asked": asked, "got": got, "missing": missing})
     return out
 
 

@@ -78,3 +78,20 @@ def test_a_reused_run_name_resumes_only_its_own_config(ray_local, tmp_path, capf
     renamed = [e for e in read_jsonl(tmp_path / "lin-2" / "events.jsonl") if e["event"] == "run_renamed"]
     assert renamed and renamed[0]["asked"] == "lin" and renamed[0]["used"] == "lin-2"
     assert "--new starts a fresh run named 'lin-2'" in capfd.readouterr().err
+
+
+def test_more_workers_than_the_cluster_holds_is_said_and_logged_with_what_is_missing(ray_local, tmp_path, capfd):
+    from raylane.launch import load_job_config, run_job
+    from raylane.registry import get
+
+    spec = get("linreg")
+    over = [f"driver.runs_dir={tmp_path}", "driver.max_steps=3", "driver.progress=false", "driver.tensorboard=false",
+            "workers=20", "max_workers=24"]
+    summary = run_job(spec, load_job_config(spec, overrides=over, run_name="many"))
+    assert summary["state"] == "finished"
+    short = [e for e in read_jsonl(tmp_path / "many" / "events.jsonl") if e["event"] == "shortfall"]
+    assert len(short) == 1 and short[0]["role"] == "grad_worker" and short[0]["asked"] == 20, short
+    got = short[0]["got"]
+    assert 1 <= got < 20 and short[0]["missing"] == {"CPU": float(20 - got)}
+    err = capfd.readouterr().err
+    assert f"grad_worker: asked for 20, the cluster holds {got} now; missing CPU={20 - got}" in err, err

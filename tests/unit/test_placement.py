@@ -690,3 +690,20 @@ def test_large_plan_properties():
     shuffled = list(cluster.nodes)
     random.Random(1).shuffle(shuffled)
     assert plan(roles, ClusterView(tuple(shuffled), taken_at=0.0)) == p
+
+
+def test_a_plan_that_holds_fewer_than_a_role_wants_is_a_shortfall_with_the_missing_resources():
+    from raylane.placement import shortfalls
+
+    view = ClusterView((NodeInfo("head", cpus=4, available={"CPU": 4.0}),))
+    roles = [RoleSpec("learner", {"CPU": 1.0}, count=1, stateful=True),
+             RoleSpec("rollout_worker", {"CPU": 1.0, "GPU": 0.0}, min_count=1, max_count=600, want=500)]
+    the_plan = plan(roles, view)
+    assert shortfalls(roles, the_plan) == [{"role": "rollout_worker", "asked": 500, "got": 3, "missing": {"CPU": 497.0}}]
+    enough = [RoleSpec("rollout_worker", {"CPU": 1.0}, min_count=1, max_count=600, want=2)]
+    assert shortfalls(enough, plan(enough, view)) == []
+
+
+def test_want_outside_the_roles_bounds_is_refused():
+    with pytest.raises(ValueError, match=r"want must be between 1 and 16, got 500"):
+        RoleSpec("w", {"CPU": 1.0}, min_count=1, max_count=16, want=500)
