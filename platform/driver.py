@@ -400,6 +400,7 @@ class Driver:
             if skipped:
                 runlog.event("resume_none", skipped=len(skipped), reason="no checkpoint of this run loads; starting from step 0")
                 _say(f"run {self.run_name!r} has no checkpoint that loads ({len(skipped)} skipped, see above); starting from step 0")
+                runlog.rewind(0, "no checkpoint loads: the run starts over")
             # The initial state, so that a failure before the first periodic checkpoint
             # still has something consistent to recover to.
             self._checkpoint(force="initial state")
@@ -414,6 +415,8 @@ class Driver:
 
     def _load(self, step: int, state: dict) -> None:
         self.workload.load_state_dict(state["workload"])
+        if self._ctx is not None:  # steps past the checkpoint run again: their first values leave metrics.jsonl
+            self._ctx.log.rewind(step, f"replayed from the checkpoint of step {step}")
         self.step = step
         self._last_ckpt_step = step
         self._last_ckpt_time = time.time()

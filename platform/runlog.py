@@ -47,6 +47,33 @@ class RunLog:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), step)
 
+    def rewind(self, step: int, reason: str) -> int:
+        """The run goes back to ``step`` (a checkpoint reloaded after a failure or a
+        restart): rows past it leave ``metrics.jsonl`` for ``metrics.discarded.jsonl``, and
+        TensorBoard hides its points past it, so every reader sees one value per step.
+        Returns how many rows were moved."""
+        path = self.dir / "metrics.jsonl"
+        self._metrics.close()
+        rows = read_jsonl(path)
+        keep = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] <= step]
+        gone = [r for r in rows if isinstance(r.get("step"), int) and r["step"] > step]
+        if gone:
+            with open(self.dir / "metrics.discarded.jsonl", "a") as f:
+                for r in gone:
+                    f.write(json.dumps({**r, "discarded": reason}) + "\n")
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            os.replace(tmp, path)
+        self._metrics = open(path, "a", buffering=1)
+        if gone and self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()  # TensorBoard hides events at or past purge_step written before it
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tb"), purge_step=step + 1)
+        if gone:
+            self.event("metrics_rewound", step=step, discarded=len(gone), reason=reason)
+        return len(gone)
+
     def event(self, kind: str, **data: Any) -> None:
         self._events.write(json.dumps({"time": time.time(), "event": kind, **_clean(data)}) + "\n")
 

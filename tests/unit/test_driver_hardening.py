@@ -131,3 +131,33 @@ def test_a_recovery_that_keeps_failing_ends_at_max_recovery_s_not_at_the_failure
     assert 3 <= w.recoveries <= 20 and "still no room" in str(info.value)
     failures = [e for e in read_jsonl(tmp_path / "r" / "events.jsonl") if e["event"] == "failure"]
     assert failures[-1]["decision"] == "fail" and all(e["decision"] == "recover" for e in failures[:-1])
+
+
+def test_replayed_steps_leave_one_row_per_step_in_metrics_and_the_first_values_are_kept_aside(tmp_path):
+    w = Counter(fail_at={7})
+    d, summary = drive(tmp_path, w, max_steps=10, checkpoint_every_steps=5, tensorboard=True)
+    assert w.applied == [0, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9]  # steps 6 and 7 ran twice
+    rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert rows[-1]["x"] == pytest.approx(reference(10))
+    aside = read_jsonl(tmp_path / "r" / "metrics.discarded.jsonl")
+    assert [r["step"] for r in aside] == [6, 7] and all("checkpoint of step 5" in r["discarded"] for r in aside)
+    rewound = [e for e in read_jsonl(tmp_path / "r" / "events.jsonl") if e["event"] == "metrics_rewound"]
+    assert [(e["step"], e["discarded"]) for e in rewound] == [(5, 2)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "r" / "tb"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("x")] == list(range(1, 11))  # the purged first copies are hidden
+
+
+def test_a_resumed_run_drops_the_rows_its_killed_predecessor_wrote_past_the_checkpoint(tmp_path):
+    d, first = drive(tmp_path, Counter(), max_steps=8, checkpoint_every_steps=5, keep_checkpoints=3)
+    store = tmp_path / "r" / "checkpoints"
+    import shutil
+
+    shutil.rmtree(store / f"{8:010d}")  # as if killed after step 8's row, before its checkpoint
+    d, again = drive(tmp_path, Counter(), max_steps=10, checkpoint_every_steps=5)
+    assert again["resumed_from"] == 5
+    assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == list(range(1, 11))
+    assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.discarded.jsonl")] == [6, 7, 8]
