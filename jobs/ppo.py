@@ -10,7 +10,6 @@ runs several epochs of PPO on them.
 
 from __future__ import annotations
 
-import difflib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from raylane.actors.policy import SpaceSpec, space_spec
 from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
 from raylane.driver import Context, DriverConfig
+from raylane.jobs import gym_envs
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.pool import ActorPool, PoolError
@@ -39,7 +39,11 @@ class PPOConfig:
     """PPO on a gymnasium environment. Defaults solve CartPole-v1 in well under two minutes on 2 cores."""
 
     env_id: str = "CartPole-v1"
-    """Gymnasium environment id (Box observations; Discrete or Box actions)."""
+    """Gymnasium environment id (Box observations; Discrete or Box actions). An env of a plugin
+    package or of your own module is ``module:EnvId`` (e.g. ``ale_py:ALE/Pong-v5``)."""
+    env_module: str | None = None
+    """A module to import before making the env, in the driver and every rollout worker
+    (the same as writing ``module:EnvId``)."""
     workers: int = cfg.field(2, ge=1)
     """Rollout worker actors."""
     max_workers: int = cfg.field(16, ge=1)
@@ -98,18 +102,17 @@ class PPOConfig:
     def validate(self) -> None:
         if self.workers > self.max_workers:
             raise ValueError(f"workers ({self.workers}) must not exceed max_workers ({self.max_workers})")
-        check_env(self.env_id)
+        check_env(self.env_id, self.env_module)
+
+    @property
+    def make_id(self) -> str:
+        """The id rollout workers pass to ``gym.make`` (``module:EnvId`` when one is needed)."""
+        return gym_envs.resolve(self.env_id, self.env_module)
 
 
-def check_env(env_id: str) -> SpaceSpec:
+def check_env(env_id: str, env_module: str | None = None) -> SpaceSpec:
     """The env's space description; a clear error for an unknown id or unsupported spaces."""
-    import gymnasium as gym
-
-    if env_id not in gym.registry:
-        close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else " `python -c \"import gymnasium; gymnasium.pprint_registry()\"` lists them."
-        raise ValueError(f"env_id {env_id!r} is not a registered gymnasium environment.{hint}")
-    env = gym.make(env_id)
+    env = gym_envs.make(gym_envs.resolve(env_id, env_module))
     try:
         return space_spec(env.observation_space, env.action_space)
     finally:
@@ -124,7 +127,7 @@ class PPOWorkload:
 
     def __init__(self, config: PPOConfig):
         self.config = config
-        self.spec = check_env(config.env_id)
+        self.spec = check_env(config.env_id, config.env_module)
         self.env_steps = 0
         self.episodes = 0
         self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)
@@ -157,7 +160,7 @@ class PPOWorkload:
         c = self.config
         # Each worker (and each replacement: keys are never reused) gets its own seed
         # range, so no two env copies in a run share a seed.
-        rc = RolloutConfig(c.env_id, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, tuple(c.hidden))
+        rc = RolloutConfig(c.make_id, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, tuple(c.hidden))
         return (rc,), {}
 
     def setup(self, ctx: Context) -> None:

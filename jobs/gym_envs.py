@@ -1,0 +1,82 @@
+"""Which gymnasium environment a job means, checked before any actor starts.
+
+Environments from plugin packages (ale-py's ``ALE/...``, a user's own module) exist only
+once their module is imported. gymnasium's own ``"module:EnvId"`` form imports it inside
+``gym.make``, in the driver and in every rollout worker alike, so that is the id the
+workers get. The checks here turn gymnasium's errors into one line that says what to do.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+
+# Namespaces registered by well-known plugin packages: (module to import, pip package).
+PLUGINS = {
+    "ALE": ("ale_py", "ale-py"),
+    "MiniGrid": ("minigrid", "minigrid"),
+    "BabyAI": ("minigrid", "minigrid"),
+    "MetaWorld": ("metaworld", "metaworld"),
+}
+
+
+class EnvError(ValueError):
+    """An environment id that cannot be made, with what would fix it."""
+
+
+def split_id(env_id: str, env_module: str | None = None) -> tuple[str | None, str]:
+    """``(module, id)`` from ``"module:Id"`` or ``env_module`` plus a plain id."""
+    module, sep, name = env_id.rpartition(":")
+    if not sep:
+        module, name = "", env_id
+    if not name:
+        raise EnvError(f"env_id {env_id!r} has no environment id after the ':'; write 'module:EnvId', e.g. 'ale_py:ALE/Pong-v5'")
+    if module and env_module and module != env_module:
+        raise EnvError(f"env_id {env_id!r} names module {module!r} but env_module is {env_module!r}; give the module once")
+    return (module or env_module or None), name
+
+
+def resolve(env_id: str, env_module: str | None = None) -> str:
+    """The id to hand to ``gym.make`` everywhere (``module:Id`` when a module must be
+    imported first); raises :class:`EnvError` naming the fix when it cannot be made."""
+    import gymnasium as gym
+
+    module, name = split_id(env_id, env_module)
+    before = set(gym.registry)
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise EnvError(f"env_id {env_id!r}: module {module!r} cannot be imported ({exc}). Install the package "
+                           f"that provides it, or run from the folder that holds your own module.") from None
+    if name not in gym.registry:
+        raise EnvError(_unknown(env_id, name, module, sorted(set(gym.registry) - before)))
+    return f"{module}:{name}" if module else name
+
+
+def _unknown(env_id: str, name: str, module: str | None, added: list[str]) -> str:
+    import gymnasium as gym
+
+    namespace = name.split("/", 1)[0] if "/" in name else None
+    if module and added:
+        return (f"env_id {env_id!r}: module {module!r} was imported but registers no {name!r}; "
+                f"it registers {', '.join(added[:8])}{' ...' if len(added) > 8 else ''}")
+    if namespace in PLUGINS and not module:
+        mod, pip = PLUGINS[namespace]
+        return (f"env_id {env_id!r} comes from the plugin package {pip}: `pip install {pip}`, then use "
+                f"env_id '{mod}:{name}' (or set env_module={mod}) so it is imported first")
+    close = difflib.get_close_matches(name, list(gym.registry), n=3, cutoff=0.6)
+    hint = (f" Did you mean {', '.join(repr(c) for c in close)}?" if close
+            else " `python -c \"import gymnasium; gymnasium.pprint_registry()\"` lists them; an env of a plugin "
+                 "package or of your own module is written 'module:EnvId'.")
+    return f"env_id {env_id!r} is not a registered gymnasium environment.{hint}"
+
+
+def make(env_id: str):
+    """``gym.make`` with a missing optional dependency (box2d, MuJoCo) as one line."""
+    import gymnasium as gym
+
+    try:
+        return gym.make(env_id)
+    except gym.error.DependencyNotInstalled as exc:
+        raise EnvError(f"env_id {env_id!r} needs a package that is not installed: {str(exc).strip().splitlines()[0]}") from None

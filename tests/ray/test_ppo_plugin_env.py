@@ -1,0 +1,56 @@
+"""PPO on an environment registered by a user's own module, imported in every rollout worker."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray
+
+from raylane.driver import Driver, DriverConfig
+from raylane.jobs.ppo import PPOConfig, PPOWorkload
+from raylane.runlog import read_jsonl
+from plugin_envs import PLUGIN  # tests/plugin_envs.py: a corridor env and its registration
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+MODULE = "raylane_user_envs"
+
+
+@pytest.fixture(scope="module")
+def ray_in_project(tmp_path_factory):
+    """A user's project folder holding their env module, Ray started from it: Ray puts the
+    driver's working folder on every worker's import path, as for `raylane run` there."""
+    import os
+
+    folder = tmp_path_factory.mktemp("project")
+    (folder / f"{MODULE}.py").write_text(PLUGIN)
+    before = os.getcwd()
+    os.chdir(folder)
+    sys.path.insert(0, str(folder))
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        yield folder
+    finally:
+        ray.shutdown()
+        os.chdir(before)
+        sys.path.remove(str(folder))
+        sys.modules.pop(MODULE, None)
+        import gymnasium as gym
+
+        gym.registry.pop("RaylaneTest/Corridor-v0", None)
+
+
+def test_rollout_workers_step_an_env_that_only_the_users_module_registers(ray_in_project, tmp_path):
+    # env_module=X is the same as env_id "X:Id" (tests/unit/test_gym_envs.py): the workers get "X:Id"
+    conf = PPOConfig(env_id="RaylaneTest/Corridor-v0", env_module=MODULE, envs_per_worker=2, rollout_steps=16,
+                     target_return=None, plot=False, total_env_steps=10_000)
+    conf.validate()
+    assert conf.make_id == f"{MODULE}:RaylaneTest/Corridor-v0"
+    conf.driver = DriverConfig(run_name="corridor", runs_dir=str(tmp_path), max_steps=3, progress=False, tensorboard=False)
+    summary = Driver(PPOWorkload(conf), conf.driver).run()
+    assert summary["state"] == "finished" and summary["steps"] == 3, summary
+    rows = read_jsonl(tmp_path / "corridor" / "metrics.jsonl")
+    assert rows[-1]["env_steps"] == 3 * 2 * 2 * 16  # both workers stepped the user's env every iteration
