@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from raylane import config as cfg
@@ -22,12 +23,28 @@ app = typer.Typer(
 console = Console()
 err = Console(stderr=True)
 
-ADDRESS_HELP = "Ray address to join (e.g. auto, or host:6379). Default: an embedded local Ray."
+ADDRESS_HELP = ("Ray address to join (e.g. auto, or host:6379), given up after RAYLANE_CONNECT_TIMEOUT seconds (30). "
+                "Default: an embedded local Ray, on 127.0.0.1 only.")
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    # escaped: a message may quote text with brackets (pip extras such as gymnasium[box2d]);
+    # soft-wrapped: the terminal folds it, so a command in it stays one line to copy
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _connect_failed(exc: Exception, code: int = 2) -> None:
+    """A :class:`raylane.session.ConnectError`: said in one line. When ``ray.init`` is still
+    stuck in its thread, leave at once: Ray's exit hooks would wait on it."""
+    import os
+
+    if getattr(exc, "stuck", False):
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _fail(str(exc), code)
 
 
 @app.command()
@@ -40,7 +57,10 @@ def cluster(
     from raylane import session
     from raylane.cluster import ClusterView
 
-    session.connect(address)
+    try:
+        session.connect(address)
+    except session.ConnectError as exc:
+        _connect_failed(exc)
     view = ClusterView.from_ray(calibrate=calibrate)
     if as_json:
         typer.echo(json.dumps(view.to_json(), indent=2))
@@ -108,7 +128,7 @@ def run(
 
     The same --run-name again resumes that run from its latest checkpoint, if the config is
     the one it started with; a different config is refused with the keys that differ."""
-    from raylane import registry
+    from raylane import registry, session
     from raylane.driver import DriverError, RunAborted
     from raylane.launch import load_job_config, run_job
 
@@ -121,6 +141,8 @@ def run(
         summary = run_job(spec, conf, address=address, dashboard=dashboard, new=new, resume_with_changes=resume_with_changes)
     except cfg.ConfigError as exc:  # the job's input (data, graph, env) refused before Ray starts
         _fail(str(exc))
+    except session.ConnectError as exc:  # --address: nothing there, or no handshake within the deadline
+        _connect_failed(exc)
     except RunAborted as exc:
         _fail(str(exc), code=130)
     except DriverError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -16,30 +17,32 @@ from rich.table import Table
 console = Console()
 err = Console(stderr=True)
 
-ADDRESS = "Ray address of the cluster the job runs on (default: auto, the cluster on this machine)."
+ADDRESS = ("Ray address of the cluster the job runs on (default: auto, the cluster on this machine); "
+           "given up after RAYLANE_CONNECT_TIMEOUT seconds (30).")
 
 
-def _connect(address: Optional[str], run: str) -> None:
-    import logging
-
+def _connect(address: Optional[str], run: str, cap_s: Optional[float] = None) -> None:
+    """Join the cluster within RAYLANE_CONNECT_TIMEOUT (or ``cap_s``, when shorter); a failure
+    is one line on stderr and exit code 2."""
     # A client sends Ray's token only when told the cluster wants one, and Ray reads that
     # when it is imported; raylane keeps token authentication on, so say so (before
     # `import ray`) whenever a token is at hand.
     if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
                                               or (Path.home() / ".ray" / "auth_token").exists()):
         os.environ["RAY_AUTH_MODE"] = "token"
-    import ray
-
+    from raylane import session
     from raylane.control import local_address
 
-    address = address or local_address(run)
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address or "auto", logging_level=logging.WARNING, log_to_driver=False)
-        except ConnectionError as exc:
-            err.print(f"error: cannot reach a Ray cluster at {address or 'auto'}: {exc}. Pass --address with the cluster's address "
-                      "(`ray status` shows it); with token authentication, the token comes from RAY_AUTH_TOKEN or ~/.ray/auth_token.")
-            raise typer.Exit(2) from None
+    address = address or local_address(run) or "auto"
+    try:
+        session.connect(address, timeout_s=min(session.connect_timeout_s(), cap_s or float("inf")))
+    except session.ConnectError as exc:
+        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
+        if exc.stuck:  # ray.init still runs in its thread: Ray's exit hooks would wait on it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+        raise typer.Exit(2) from None
 
 
 def _age(t: float) -> str:
@@ -59,7 +62,7 @@ def pools(
     try:
         report = ControlClient().pools(run)
     except ControlError as exc:
-        err.print(f"error: {exc}")
+        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(2) from None
     if as_json:
         console.print_json(json.dumps(report))
@@ -92,14 +95,16 @@ def scale(
     timeout: float = typer.Option(300.0, help="Seconds to wait for the pool to reach N live actors."),
 ) -> None:
     """Set a pool's size; returns once N actors are live, or says why they cannot be."""
-    _connect(address, run)  # first: it sets up the token before Ray is imported
+    started = time.monotonic()
+    _connect(address, run, cap_s=timeout)  # first: it sets up the token before Ray is imported
+    timeout = max(1.0, timeout - (time.monotonic() - started))  # --timeout covers connecting too
     from raylane.control import ControlClient, ControlError
 
     client = ControlClient()
     try:
         pool = client.scale(run, role, n, timeout_s=timeout, on_update=lambda msg: console.print(msg))
     except ControlError as exc:
-        err.print(f"error: {exc}")
+        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(3 if "no room" in str(exc) or "did not reach" in str(exc) else 2) from None
     markets = ", ".join(f"{m} {c}" for m, c in sorted(pool["markets"].items()))
     console.print(f"{role}: {pool['live']} live ({markets})")
