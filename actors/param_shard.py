@@ -17,13 +17,15 @@ Consistency (``mode``):
   ``staleness`` clocks ahead of the slowest worker (stale synchronous parallel).
 
 A push is applied once per (worker, clock), however often it arrives: Ray retries actor
-calls at least once, and a recovered job replays the clocks since its checkpoint, which
-the surviving shards have already applied. Every served pull is logged with the slowest
+calls at least once, and a job recovered from a lost worker replays the clocks since its
+checkpoint, which the shards have already applied. Every served pull is logged with the slowest
 worker's clock at that moment, so the staleness bound can be checked afterwards.
 
-What a failure means: a lost shard takes the updates to its slice since its last
-checkpoint with it; the replacement restores that checkpoint, the others keep their
-state, and the replayed clocks bring the restored slice forward.
+What a failure means: a lost shard takes the updates to its slice since the last
+checkpoint with it. The job (``raylane.jobs.ps_ctr``) then puts every shard back to that
+checkpoint, the replacement and the survivors alike, and the clocks since run again; in
+sync mode the run ends bit-identical to one without the loss. The count of applied
+updates is part of the state, so it says how many updates the model holds.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ import numpy as np
 import ray
 
 from raylane.actors.ps_layout import check_ids, init_rows
+from raylane.actors.ps_optim import OPTIMIZERS, UpdateRule
 
 MODES = ("sync", "async", "ssp")
 LOG_LIMIT = 100_000  # served pulls kept for checking the staleness bound
 MAX_WORKERS = 64  # threads for waiting pulls per shard (ParamShard's "wait" group)
-OPTIMIZERS = ("sgd", "adagrad", "adam")
 
 
 @dataclass(frozen=True)
@@ -93,42 +95,6 @@ def check_config(c: ShardConfig) -> None:
             raise ValueError(f"table {name!r}: embedding dim must be a whole number >= 1, got {dim!r}")
     if not c.lr > 0:
         raise ValueError(f"lr must be > 0, got {c.lr}")
-
-
-class _Opt:
-    """The update rules, the same as torch's SGD, Adagrad and Adam (eps, bias
-    correction), on float32 numpy arrays; state arrays are kept beside the values."""
-
-    ADAGRAD_EPS, BETAS, ADAM_EPS = 1e-10, (0.9, 0.999), 1e-8
-
-    def __init__(self, name: str, lr: float):
-        self.name, self.lr = name, np.float32(lr)
-
-    def slots(self) -> tuple[str, ...]:
-        return {"sgd": (), "adagrad": ("acc",), "adam": ("m", "v")}[self.name]
-
-    def update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray | int) -> None:
-        """In place on ``value`` (and ``state``); ``step`` is the update's number (from 1),
-        per row for embedding rows."""
-        if self.name == "sgd":
-            value -= self.lr * grad
-        elif self.name == "adagrad":
-            acc = state["acc"]
-            acc += grad * grad
-            value -= self.lr * grad / (np.sqrt(acc) + np.float32(self.ADAGRAD_EPS))
-        else:
-            b1, b2 = self.BETAS
-            m, v = state["m"], state["v"]
-            m *= np.float32(b1)
-            m += np.float32(1 - b1) * grad
-            v *= np.float32(b2)
-            v += np.float32(1 - b2) * grad * grad
-            t = np.asarray(step, dtype=np.float64)
-            if t.ndim:
-                t = t[:, None]
-            bc1 = (1 - b1 ** t).astype(np.float32)
-            bc2 = np.sqrt(1 - b2 ** t).astype(np.float32)
-            value -= (self.lr / bc1) * m / (np.sqrt(v) / bc2 + np.float32(self.ADAM_EPS))
 
 
 class _Table:
@@ -189,7 +155,7 @@ class ShardCore:
 
     def __init__(self, config: ShardConfig):
         self.config = config
-        self.opt = _Opt(config.optimizer, config.lr)
+        self.opt = UpdateRule(config.optimizer, config.lr)
         self.dense: dict[str, np.ndarray] = {n: np.zeros(b - a, np.float32) for n, (a, b) in config.dense.items()}
         self.dense_state = {n: {s: np.zeros(b - a, np.float32) for s in self.opt.slots()} for n, (a, b) in config.dense.items()}
         self.dense_steps = 0
@@ -272,7 +238,9 @@ class ShardCore:
             self.pending.setdefault(clock, {})[worker] = (dense, sparse)
             while len(self.pending.get(self.next_clock, {})) == c.workers:
                 pushes = self.pending.pop(self.next_clock)
-                self._apply_mean(list(pushes.values()))
+                # summed in worker order, not arrival order: float sums of three or more
+                # gradients depend on the order, and a replayed clock must give the same bits
+                self._apply_mean([pushes[w] for w in sorted(pushes)])
                 self.next_clock += 1
             return True
         if clock < self.done[worker] or clock in self.above[worker]:
@@ -350,6 +318,7 @@ class ShardCore:
             "done": {str(w): d for w, d in self.done.items()},
             "above": {str(w): sorted(a) for w, a in self.above.items()},
             "next_clock": self.next_clock,
+            "updates": self.updates,
         }
 
     def import_state(self, state: Mapping[str, Any]) -> None:
@@ -362,6 +331,7 @@ class ShardCore:
         self.done = {w: int(state["done"].get(str(w), 0)) for w in range(self.config.workers)}
         self.above = {w: {int(x) for x in state["above"].get(str(w), [])} for w in range(self.config.workers)}
         self.next_clock = int(state["next_clock"])
+        self.updates = int(state.get("updates", 0))  # checkpoints written before it was saved lack it
         self.pending = {}
 
     def stats(self) -> dict[str, Any]:

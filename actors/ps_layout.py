@@ -8,7 +8,7 @@ row's initial value depends only on (seed, table, id), so whichever shard create
 first touch, and whenever, it starts the same.
 
 >>> dense_slices({"w": 10, "b": 3}, 2)
-[{'w': (0, 5), 'b': (0, 2)}, {'w': (5, 10), 'b': (2, 3)}]
+[{'w': (0, 5), 'b': (0, 1)}, {'w': (5, 10), 'b': (1, 3)}]
 """
 
 from __future__ import annotations

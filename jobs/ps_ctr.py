@@ -8,11 +8,12 @@ consistency mode (sync, async, ssp with a staleness bound). One driver step is
 ``clocks_per_step`` clocks of every worker; after it the driver measures the held-out AUC
 and, every N steps, checkpoints every shard's slice.
 
-A lost shard is replaced and only that shard is restored from the checkpoint; the others
-keep their state. The clocks since the checkpoint run again: the surviving shards have
-applied them already and ignore them (a (worker, clock) is applied once), the restored
-shard applies them, so its slice catches up on the same batches. A lost worker is
-replaced and reads the same rows.
+A lost worker is replaced and reads the same rows; the shards keep their state and the
+clocks since the checkpoint run again, which the shards ignore (a (worker, clock) is
+applied once). A lost shard is replaced and every shard, the survivors too, goes back to
+the last checkpoint before those clocks run again (see :meth:`PSCTRWorkload.load_state_dict`),
+so a sync run ends bit-identical to one without the loss. The failure names the role
+``param_shard`` and the shard's number.
 
     raylane run ps_ctr
     raylane run ps_ctr --set mode=ssp --set staleness=2 --set shards=4 --set optimizer=adam
@@ -21,9 +22,10 @@ replaced and reads the same rows.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import ray
@@ -31,8 +33,9 @@ import torch
 
 from raylane import config as cfg
 from raylane.actors import ctr
-from raylane.actors.param_shard import MAX_WORKERS, MODES, OPTIMIZERS, ParamShard, ShardConfig
+from raylane.actors.param_shard import MAX_WORKERS, MODES, ParamShard, ShardConfig
 from raylane.actors.ps_layout import dense_slices
+from raylane.actors.ps_optim import OPTIMIZERS
 from raylane.actors.ps_worker import PSWorker, WorkerConfig, assemble, route
 from raylane.driver import Context, DriverConfig
 from raylane.launch import job_main
@@ -43,6 +46,7 @@ from raylane.registry import JobSpec
 log = logging.getLogger(__name__)
 
 SHARDS, WORKERS = "param_shard", "ps_worker"
+T = TypeVar("T")
 
 
 @dataclass
@@ -126,10 +130,21 @@ class StepFailed(PoolError):
     """A step's worker calls failed; recoverable when an actor was lost or a wait timed out."""
 
 
+class ShardLost(StepFailed):
+    """Parameter shards died (recoverable): ``role`` is ``param_shard`` and ``shards`` their
+    numbers, so the driver's failure event names what was lost, not the workers it took down."""
+
+    def __init__(self, shards: list[int], during: str):
+        which = f"shard {shards[0]}" if len(shards) == 1 else f"shards {shards}"
+        super().__init__(f"parameter {which} lost during {during}; every shard goes back to the last checkpoint")
+        self.shards = shards
+        self.role, self.actor = SHARDS, ",".join(map(str, shards))
+
+
 class PSCTRWorkload:
     name = "ps_ctr"
     main_metric = "auc"
-    guarded_metrics = ("loss",)
+    guarded_metrics = ("loss", "auc")  # auc is NaN when the held-out scores are not finite
     progress_metrics = ("auc", "loss")
 
     def __init__(self, config: PSCTRConfig):
@@ -212,18 +227,54 @@ class PSCTRWorkload:
         first, last = step * c.clocks_per_step, (step + 1) * c.clocks_per_step
         t0 = time.perf_counter()
         calls = {w: h.run.remote(first, last) for w, h in self.workers.items()}
-        results = self._gather(calls)
+        results = self._gather(calls, step)
         seconds = time.perf_counter() - t0
         self.fresh.clear()
         losses = [x for r in results.values() for x in r["losses"]]
-        self.auc = self.evaluate()
-        return {"loss": float(np.mean(losses)), "auc": self.auc, "clock": last, "updates_per_s": len(losses) / seconds,
+        loss = float(np.mean(losses))
+        # A diverged model has no AUC (sklearn refuses NaN scores): report the loss as it is
+        # and let the driver's guard stop the run, naming it and the last good checkpoint.
+        auc = self._on_shards(self.evaluate, f"the evaluation after step {step}") if math.isfinite(loss) else math.nan
+        if math.isfinite(auc):
+            self.auc = auc
+        return {"loss": loss, "auc": auc, "clock": last, "updates_per_s": len(losses) / seconds,
                 "pull_wait_s": float(np.mean([r["pull_wait_s"] for r in results.values()])), "step_s": seconds}
 
-    def _gather(self, calls: dict[int, Any]) -> dict[int, Any]:
+    def dead_shards(self) -> list[int]:
+        """Numbers of the shards whose actor is gone. A shard that does not answer within a
+        few seconds counts as alive: a slow shard is a timeout, not a loss."""
+        probes = {i: h.where.remote() for i, h in self.shards.items()}
+        dead = []
+        for i, ref in probes.items():
+            try:
+                ray.get(ref, timeout=5.0)
+            except LOST:
+                dead.append(i)
+            except Exception:  # noqa: BLE001 - a timeout or any other answer: not lost
+                pass
+        return sorted(dead)
+
+    def _shard_loss(self, during: str) -> ShardLost | None:
+        """A :class:`ShardLost` (and its own event) when shards are dead, else None."""
+        dead = self.dead_shards()
+        if not dead:
+            return None
+        if self.ctx is not None:
+            self.ctx.log.event("ps_lost", role=SHARDS, shards=dead, during=during)
+        return ShardLost(dead, during)
+
+    def _on_shards(self, fn: Callable[[], T], during: str) -> T:
+        """``fn()``; a lost actor under it is a :class:`ShardLost` naming the dead shards."""
+        try:
+            return fn()
+        except LOST as exc:
+            raise (self._shard_loss(during) or exc) from exc
+
+    def _gather(self, calls: dict[int, Any], step: int) -> dict[int, Any]:
         """Every worker's result; on the first failure, the rest get a few seconds, then the
         error: a lost actor or a timed-out wait is recoverable (the unfinished workers are
-        replaced on recovery), any other error is a bug."""
+        replaced on recovery; a dead shard is named as the loss, not the workers whose
+        pulls it failed), any other error is a bug."""
         c = self.config
         pending = {ref: w for w, ref in calls.items()}
         results: dict[int, Any] = {}
@@ -246,8 +297,11 @@ class PSCTRWorkload:
             return results
         self.stuck = [self.workers[w] for w in pending.values()]
         lost = [e for e in errors.values() if isinstance(e, LOST) or isinstance(getattr(e, "cause", None), (TimeoutError,) + LOST)]
-        if pending and not errors:
-            err: PoolError = CallTimeoutError(f"workers {sorted(pending.values())} did not finish their clocks within {c.step_timeout_s:g} s")
+        shard_loss = self._shard_loss(f"step {step}") if lost or pending or any(isinstance(e, TimeoutError) for e in errors.values()) else None
+        if shard_loss is not None:
+            err: PoolError = shard_loss
+        elif pending and not errors:
+            err = CallTimeoutError(f"workers {sorted(pending.values())} did not finish their clocks within {c.step_timeout_s:g} s")
         elif lost or any(isinstance(e, TimeoutError) for e in errors.values()):
             err = StepFailed("; ".join(f"worker {w}: {type(e).__name__}: {str(e).splitlines()[0][:200]}" for w, e in sorted(errors.items())))
         else:
@@ -256,7 +310,9 @@ class PSCTRWorkload:
                 cause = getattr(e, "cause", e)
                 grouped.setdefault(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}", []).append(f"worker {w}")
             err = WorkError("run", grouped)
-        err.role = WORKERS
+        if shard_loss is None:
+            err.role = WORKERS
+            err.actor = ",".join(str(w) for w in sorted(errors) + sorted(pending.values()))
         raise err
 
     def evaluate(self) -> float:
@@ -271,25 +327,42 @@ class PSCTRWorkload:
         dense, tables = assemble(self.shape, answers, routes, uniq)
         with torch.no_grad():
             logits = ctr.forward(self.shape, dense, tables, inv, torch.from_numpy(numeric)).numpy()
+        if not np.isfinite(logits).all():  # NaN for the driver's guard, not sklearn's ValueError
+            log.warning("ps_ctr: %d of %d held-out scores are not finite; the AUC is NaN", int((~np.isfinite(logits)).sum()), len(logits))
+            return math.nan
         return float(roc_auc_score(labels, logits))
 
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
         c = self.config
-        states = ray.get([self.shards[i].export_state.remote() for i in range(c.shards)], timeout=c.step_timeout_s)
+        states = self._on_shards(lambda: ray.get([self.shards[i].export_state.remote() for i in range(c.shards)], timeout=c.step_timeout_s), "a checkpoint")
         return {"shards": {str(i): s for i, s in enumerate(states)}, "auc": self.auc}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the shards that hold nothing trained (all of them on a resume; the
-        replacements after a loss); the others keep what they have."""
+        """Restore the shards from ``state``: none after a lost worker (they keep what they
+        have and ignore the clocks run again), all of them on a resume, and all of them
+        after a lost shard, the survivors too.
+
+        Why the survivors too: restored alone, the new shard would replay the clocks since
+        the checkpoint against survivors that had already applied them, pulling values
+        from later clocks; its slice would end trained on a model no run ever held (a
+        different final AUC). Rolled back together, the replay pulls exactly what the first
+        pass pulled, so a sync run ends bit-identical and async and ssp runs end as if
+        resumed from the checkpoint. Cost: no memory on the shards (the alternative, each
+        survivor keeping the values it served since the checkpoint, holds a pull's dense
+        slice and rows per worker per clock); no extra computing (the workers run the
+        clocks since the checkpoint again either way); the only extra is sending each
+        survivor its slice of the checkpoint, the whole model once per shard loss, which the
+        driver has already read from the store."""
         c = self.config
-        todo = sorted(self.fresh)
+        lost = sorted(self.fresh)
+        todo = list(range(c.shards)) if lost else []
         ray.get([self.shards[i].import_state.remote(state["shards"][str(i)]) for i in todo], timeout=c.step_timeout_s)
         self.fresh.clear()
         self.auc = float(state.get("auc", 0.5))
         if self.ctx is not None and todo:
-            self.ctx.log.event("ps_restore", shards=todo)
+            self.ctx.log.event("ps_restore", role=SHARDS, shards=todo, replaced=lost)
 
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.config.target_auc > 0 and metrics["auc"] >= self.config.target_auc

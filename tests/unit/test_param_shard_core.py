@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from raylane import config as cfg
 from raylane.actors import ctr
-from raylane.actors.param_shard import ShardConfig, ShardCore, _Opt
+from raylane.actors.param_shard import ShardConfig, ShardCore
 from raylane.actors.ps_layout import check_ids, dense_slices, init_rows, row_shard
+from raylane.actors.ps_optim import UpdateRule
 from raylane.cli import app
 from raylane.jobs.ps_ctr import PSCTRConfig
 
@@ -61,7 +62,7 @@ def test_update_rules_match_torch(name):
     grads = [torch.randn(50, generator=g) for _ in range(5)]
     p = torch.nn.Parameter(p0.clone())
     opt = {"sgd": lambda: torch.optim.SGD([p], lr=0.1), "adagrad": lambda: torch.optim.Adagrad([p], lr=0.1), "adam": lambda: torch.optim.Adam([p], lr=0.1)}[name]()
-    mine = _Opt(name, 0.1)
+    mine = UpdateRule(name, 0.1)
     value = p0.numpy().copy()
     state = {s: np.zeros(50, np.float32) for s in mine.slots()}
     for t, gr in enumerate(grads, start=1):
@@ -93,6 +94,17 @@ def test_sync_applies_a_clock_once_every_worker_pushed_it_averaged():
     assert not push(core, 1, 0, 3.0)  # a clock already applied is ignored too
 
 
+def test_sync_sums_a_clock_in_worker_order_whatever_order_the_pushes_arrive_in():
+    grads = [np.float32(0.1), np.float32(1e8), np.float32(-1e8)]  # (a + b) + c != (a + c) + b in float32
+    finals = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        core = shard("sync", workers=3)
+        for w in order:
+            push(core, w, 0, grads[w])
+        finals.append((core.dense["w"].copy(), core.tables["t"].values[:1].copy()))
+    assert all(np.array_equal(f[0], finals[0][0]) and np.array_equal(f[1], finals[0][1]) for f in finals)
+
+
 def test_async_applies_on_arrival_once_per_worker_and_clock():
     core = shard("async")
     push(core, 0, 0, 1.0)
@@ -122,6 +134,7 @@ def test_state_round_trips_and_rows_are_created_on_first_touch():
     twin.import_state(saved)
     assert np.array_equal(twin.read({"t": np.array([7, 8])}, create=False)[1]["t"], core.read({"t": np.array([7, 8])}, create=False)[1]["t"])
     assert not push(twin, 0, 0, 1.0)  # what was applied before the checkpoint stays applied
+    assert twin.updates == core.updates == 1  # the count of applied updates is part of the state
     _, r = twin.read({"t": np.array([123])}, create=False)
     assert np.array_equal(r["t"][0], init_rows(0, "t", np.array([123]), 2, 0.05)[0]) and len(twin.tables["t"]) == 2
 
