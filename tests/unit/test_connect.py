@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from raylane import session
+from raylane import join, session
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -105,20 +105,20 @@ def test_the_deadline_comes_from_the_environment_and_bad_values_say_what_to_set(
 def test_a_loopback_address_is_also_tried_as_given(monkeypatch):
     # Ray turns 127.0.0.1 into this machine's IP; an embedded raylane Ray answers on loopback only.
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    shown, pairs = session._target("127.0.0.1:6379")
+    shown, pairs = join._target("127.0.0.1:6379")
     assert pairs[-1] == ("127.0.0.1", 6379) and "127.0.0.1:6379" in shown
     with pytest.raises(session.ConnectError, match="not host:port|cannot use Ray address"):
-        session._target("nonsense")
+        join._target("nonsense")
 
 
 def test_the_probe_gives_up_at_its_deadline_and_finds_a_listener():
     port = _closed_port()
     started = time.monotonic()
-    answered, attempts, last = session._probe([("127.0.0.1", port)], time.monotonic() + 1.5)
+    answered, attempts, last = join._probe([("127.0.0.1", port)], time.monotonic() + 1.5)
     assert answered is None and attempts >= 2 and f"127.0.0.1:{port}" in last
     assert time.monotonic() - started < 10
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         pair = ("127.0.0.1", server.getsockname()[1])
-        assert session._probe([("127.0.0.1", port), pair], time.monotonic() + 5)[0] == pair
+        assert join._probe([("127.0.0.1", port), pair], time.monotonic() + 5)[0] == pair
