@@ -39,6 +39,7 @@ import ray
 import torch
 
 from raylane.actors import gpt
+from raylane.actors.gloo_link import GlooLink, Rendezvous, rendezvous, same_node
 from raylane.pool import LOST
 from raylane.schedules import Op, Schedule, submission_order
 
@@ -57,6 +58,8 @@ class StageConfig:
     """Keep only each chunk's input between forward and backward; run the forward again in the backward."""
     threads: int = 1
     """torch intra-op threads (the CPUs the actor reserves)."""
+    link_timeout_s: float | None = None
+    """gloo transport: longest one wait on a neighbour stage (a receive, a send's completion) may take before this stage fails with an error naming it, so a dead or stuck peer cannot hang the batch; None: the timeout the driver connects with (the step timeout), which also bounds the group's setup."""
     timed: tuple[float, float] | None = None
     """Benchmarks only: every layer is a fixed-time operation of (forward, backward) seconds
     instead of the model's layer, so a schedule's bubble and overhead can be measured
@@ -328,21 +331,22 @@ class LinkedStage(_StageBase):
         self.aborted = False
         self.group: Any = None  # GlooLink when the transport is gloo
 
-    def rendezvous(self) -> tuple[str, int]:
-        """A free port on this node for the pipeline's gloo group (called on stage 0)."""
-        return _free_port()
+    def rendezvous(self, local: bool) -> Rendezvous:
+        """Where the pipeline's gloo group meets (called on stage 0): a file on this node
+        when ``local`` (every stage here, all links on 127.0.0.1), else a port on its address."""
+        return rendezvous(local)
 
-    def connect(self, index: int, peers: list[Any], group: tuple[str, int, float] | None = None) -> int:
+    def connect(self, index: int, peers: list[Any], group: tuple[Rendezvous, float] | None = None) -> int:
         """This stage's index in its pipeline and the handles of all the pipeline's stages;
-        ``group`` (host, port, timeout in seconds) joins a gloo group of the pipeline's
+        ``group`` (rendezvous, timeout in seconds) joins a gloo group of the pipeline's
         stages instead of sending through Ray (every stage must be connecting at once)."""
         self.index, self.peers = index, list(peers)
         if self.group is not None:
             self.group.close()
             self.group = None
         if group is not None:
-            host, port, timeout_s = group
-            self.group = GlooLink(host, int(port), index, len(peers), float(timeout_s))
+            where, timeout_s = group
+            self.group = GlooLink(where, index, len(peers), setup_s=float(timeout_s), wait_s=float(self.core.config.link_timeout_s or timeout_s))
         return index
 
     @ray.method(concurrency_group="inbox")
@@ -435,131 +439,6 @@ def _tag(sched: Schedule, key: tuple) -> int:
     return ((kind == "B") * sched.m + mb) * sched.virtual_stages + j
 
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-
-
-class GlooLink:
-    """Point-to-point tensors between the stages of one pipeline over a gloo process group
-    of their own (not the process's default group, so a stage can leave one and join the
-    next after a re-split). The group's timeout bounds every wait.
-
-    The first batch after joining sends a small header (dtype, shape) before each tensor,
-    and both sides remember the shape per message; later batches send the tensor alone,
-    into receives posted ahead (:meth:`begin`, a few messages ahead of use). A receive
-    posted late costs a round trip to a sender that is busy computing, which on a machine
-    with as many busy stages as cores came to several milliseconds a hop; posted ahead,
-    the data lands while the receiver is still computing. Sends are non-blocking;
-    :meth:`flush` waits for them at the end of a batch."""
-
-    MAX_DIMS = 6
-    WINDOW = 4  # receives posted ahead of use
-
-    def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float):
-        from datetime import timedelta
-
-        from torch.distributed import ProcessGroupGloo, TCPStore
-
-        self.rank, self.size = rank, size
-        self.store = TCPStore(host, port, size, rank == 0, timeout=timedelta(seconds=timeout_s))
-        opts = ProcessGroupGloo._Options()
-        opts._timeout = timedelta(seconds=timeout_s)
-        opts._devices = [ProcessGroupGloo.create_device(hostname=host if rank == 0 else _node_ip())]
-        self.pg = ProcessGroupGloo(self.store, rank, size, opts)
-        self.pending: list[tuple[Any, ...]] = []
-        self.shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # tag -> what the first batch carried
-        self.warm = False  # a batch has completed: shapes are known on both sides
-        self.expected: list[tuple[int, int]] = []  # (src, tag) still to post, in the order they are used
-        self.posted: dict[int, tuple[torch.Tensor, Any]] = {}
-
-    def begin(self, expected: Sequence[tuple[int, int]]) -> None:
-        """A batch starts: ``expected`` are its incoming (source stage, tag), in the order
-        they will be taken."""
-        self.expected, self.posted = (list(expected) if self.warm else []), {}
-        self._post()
-
-    def _post(self) -> None:
-        if not self.warm:
-            return
-        while self.expected and len(self.posted) < self.WINDOW:
-            src, tag = self.expected.pop(0)
-            dtype, shape = self.shapes[tag]
-            buf = torch.empty(shape, dtype=dtype)
-            self.posted[tag] = (buf, self.pg.recv([buf], src, 2 * tag + 1))
-
-    def send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
-        t = tensor.detach().to("cpu").contiguous()
-        if t.dim() > self.MAX_DIMS or t.dtype not in _DTYPES:
-            raise ValueError(f"gloo transport: cannot send a {t.dtype} tensor of {t.dim()} dims (at most {self.MAX_DIMS}; dtypes {_DTYPES})")
-        if self.warm:
-            if self.shapes.get(tag) != (t.dtype, tuple(t.shape)):
-                raise ValueError(f"gloo transport: message {tag} is {t.dtype} {tuple(t.shape)} but was {self.shapes.get(tag)} in the first batch; "
-                                 "micro-batches must keep their shapes from batch to batch (or use transport=ray)")
-            self.pending.append((t, self.pg.send([t], to, 2 * tag + 1)))
-            return
-        self.shapes[tag] = (t.dtype, tuple(t.shape))
-        header = torch.full((2 + self.MAX_DIMS,), -1, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        self.pending.append((header, t, self.pg.send([header], to, 2 * tag), self.pg.send([t], to, 2 * tag + 1)))
-
-    def recv(self, src: int, tag: int) -> torch.Tensor:
-        if self.warm:
-            if tag not in self.posted:
-                self.expected = [e for e in self.expected if e[1] != tag]
-                dtype, shape = self.shapes[tag]
-                buf = torch.empty(shape, dtype=dtype)
-                self.posted[tag] = (buf, self.pg.recv([buf], src, 2 * tag + 1))
-            buf, work = self.posted.pop(tag)
-            work.wait()
-            self._post()
-            return buf
-        header = torch.empty(2 + self.MAX_DIMS, dtype=torch.int64)
-        self.pg.recv([header], src, 2 * tag).wait()
-        shape = tuple(int(x) for x in header[2:2 + int(header[1])])
-        dtype = _DTYPES[int(header[0])]
-        self.shapes[tag] = (dtype, shape)
-        out = torch.empty(shape, dtype=dtype)
-        self.pg.recv([out], src, 2 * tag + 1).wait()
-        return out
-
-    def flush(self) -> None:
-        """The batch is done on this stage: wait for its sends to leave."""
-        pending, self.pending = self.pending, []
-        for item in pending:
-            for work in item[len(item) // 2:]:
-                work.wait()
-        if self.posted or self.expected:
-            raise RuntimeError(f"gloo transport: the batch ended with {len(self.posted) + len(self.expected)} message(s) not taken")
-        self.warm = True
-
-    def abort(self) -> None:
-        try:
-            self.pg.abort()
-        except Exception:  # noqa: BLE001 - best effort: the group is being given up
-            pass
-
-    def close(self) -> None:
-        self.pending, self.posted = [], {}
-        for fn in (self.pg.abort, self.pg.shutdown):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - best effort: the group is being given up
-                pass
-
-
-def _node_ip() -> str:
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
-
-def _free_port() -> tuple[str, int]:
-    import socket
-
-    host = _node_ip()
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return host, sock.getsockname()[1]
-
-
 # ---------------------------------------------------------------- the driver side
 
 
@@ -596,13 +475,15 @@ def submit_linked(stages: Sequence[Any], sched: Schedule, tokens: Any, targets: 
 
 def connect_linked(pipelines: Sequence[Sequence[Any]], transport: str, timeout_s: float) -> None:
     """Tell every :class:`LinkedStage` its place and peers; with ``transport="gloo"`` each
-    pipeline's stages also form a gloo group (stage 0 hosts its rendezvous)."""
+    pipeline's stages also form a gloo group (stage 0 hosts its rendezvous), on loopback
+    when all of that pipeline's stages share a node (:mod:`raylane.actors.gloo_link`)."""
     if transport not in ("ray", "gloo"):
         raise ValueError(f"transport must be 'ray' or 'gloo', got {transport!r}")
     groups: list[Any] = [None] * len(pipelines)
     if transport == "gloo":
-        addrs = ray.get([stages[0].rendezvous.remote() for stages in pipelines], timeout=timeout_s)
-        groups = [(host, port, timeout_s) for host, port in addrs]
+        nodes = [[w["node"] for w in ray.get([h.where.remote() for h in stages], timeout=timeout_s)] for stages in pipelines]
+        places = ray.get([stages[0].rendezvous.remote(same_node(n)) for stages, n in zip(pipelines, nodes)], timeout=timeout_s)
+        groups = [(where, timeout_s) for where in places]
     calls = [h.connect.remote(s, list(stages), groups[r]) for r, stages in enumerate(pipelines) for s, h in enumerate(stages)]
     ray.get(calls, timeout=timeout_s + 30)
 

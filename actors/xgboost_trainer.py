@@ -12,6 +12,11 @@ trainer dies mid-chunk, the others leave the collective with an ``XGBoostError``
 sockets to the dead peer close), keep their shard in memory, and can join the next group.
 Their quantile cuts, though, were agreed with the old group, so every trainer rebuilds its
 matrices when the driver starts a new group (a new ``group`` number).
+
+What it listens on: while in the collective, two ports xgboost binds on every interface
+(peers, error notice; xgboost has no setting for the address). Links go to the address
+the tracker saw each trainer come from, so they stay on loopback when the driver put the
+tracker there (:mod:`raylane.jobs.xgboost_collective`).
 """
 
 from __future__ import annotations

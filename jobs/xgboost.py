@@ -1,12 +1,13 @@
 """``raylane run xgboost``: data-sharded gradient boosting that survives a lost trainer.
 
 Each trainer reads one shard of the rows itself (sizes in proportion to its node's speed)
-and the group boosts through xgboost's collective, with the tracker in this process. One
-driver step is one chunk of ``checkpoint_every`` rounds; after each chunk the model (UBJ
-bytes), the round and the metric history go to the checkpoint store. The trainers stream
-their chunks from one collective session, so they boost the next chunk while the driver
-checkpoints the last one. Per-round metrics go to ``rounds.jsonl`` in the run folder (the
-last row for a round counts, should a resumed run repeat one), the final model to
+and the group boosts through xgboost's collective, with the tracker in this process (on
+127.0.0.1 when every trainer is on this node: :mod:`raylane.jobs.xgboost_collective`).
+One driver step is one chunk of ``checkpoint_every`` rounds; after each chunk the model
+(UBJ bytes), the round and the metric history go to the checkpoint store. The trainers
+stream their chunks from one collective session, so they boost the next chunk while the
+driver checkpoints the last one. Per-round metrics go to ``rounds.jsonl`` in the run folder
+(the last row for a round counts, should a resumed run repeat one), the final model to
 ``model.ubj``.
 
 When a trainer dies mid-chunk the collective cannot go on: the survivors leave it with an
@@ -41,6 +42,7 @@ from raylane import config as cfg
 from raylane.actors import tabular
 from raylane.actors.xgboost_trainer import Shard, TrainerConfig, XGBoostTrainer
 from raylane.driver import Context, DriverConfig
+from raylane.jobs.xgboost_collective import Tracker, first_line, is_collective_error, tracker_host
 from raylane.jobs.xgboost_params import OBJECTIVES, ObjectiveChoice, objective_params, probe, static_params  # noqa: F401 - OBJECTIVES is re-exported
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
@@ -162,46 +164,6 @@ class GroupLost(PoolError):
         self.actor = actor
 
 
-class _Tracker:
-    """xgboost's tracker for one group, in this process, bound to this node's address."""
-
-    def __init__(self, n: int, timeout_s: int):
-        from xgboost.tracker import RabitTracker
-
-        self.timeout_s = timeout_s
-        self._tracker = RabitTracker(n_workers=n, host_ip=ray.util.get_node_ip_address(), sortby="task", timeout=timeout_s)
-        self._tracker.start()
-
-    def worker_args(self) -> dict[str, Any]:
-        # dmlc_timeout bounds each collective operation, so a peer that vanished without
-        # closing its sockets (a node gone from the network) cannot block the others for ever.
-        return {**self._tracker.worker_args(), "dmlc_timeout": self.timeout_s}
-
-    def close(self, finished: bool) -> None:
-        from xgboost.core import XGBoostError
-
-        try:
-            if finished:
-                self._tracker.wait_for(self.timeout_s)
-        except XGBoostError as exc:
-            log.warning("xgboost tracker did not finish cleanly: %s", _first_line(str(exc)))
-        finally:
-            try:
-                self._tracker.free()
-            except XGBoostError:  # freeing a tracker whose group broke reports the broken group again
-                pass
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip(" -") for line in text.splitlines() if line.strip() and not line.lstrip().startswith("[bt]") and "Stack trace" not in line]
-    return " / ".join(lines[-3:])[:500] if lines else text[:500]
-
-
-def _is_collective_error(text: str) -> bool:
-    """An error raised by xgboost's collective (a peer gone, a timeout), not by the data or params."""
-    return "/collective/" in text or "Poll timeout" in text
-
-
 def collect(calls: dict[int, Any], handles: dict[int, Any], *, what: str, timeout_s: float, grace_s: float) -> dict[int, Any]:
     """One result per shard, never waiting past ``timeout_s``.
 
@@ -241,16 +203,16 @@ def collect(calls: dict[int, Any], handles: dict[int, Any], *, what: str, timeou
         ray.kill(handles[i], no_restart=True)
     if not (lost or errors or stuck):
         return results
-    if errors and not lost and not all(_is_collective_error(e) for e in errors.values()):
+    if errors and not lost and not all(is_collective_error(e) for e in errors.values()):
         grouped: dict[str, list[str]] = {}
         for i, e in errors.items():
-            grouped.setdefault(_first_line(e), []).append(f"shard {i}")
+            grouped.setdefault(first_line(e), []).append(f"shard {i}")
         err: PoolError = WorkError(what, grouped)  # a bug or bad data: not worth retrying
     elif failed_at is None:
         err = CallTimeoutError(f"{what!r} on shard(s) {stuck} did not return within {timeout_s:g} s; those trainers were killed")
     else:
         parts = [f"shard {i}: trainer lost ({why})" for i, why in sorted(lost.items())]
-        parts += [f"shard {i}: {_first_line(e)}" for i, e in sorted(errors.items())]
+        parts += [f"shard {i}: {first_line(e)}" for i, e in sorted(errors.items())]
         parts += [f"shard {i}: still in the collective {grace_s:g} s after the first failure, killed" for i in stuck]
         err = GroupLost(f"{what!r} failed: " + "; ".join(parts), actor=", ".join(f"shard {i}" for i in sorted(lost) or stuck or sorted(errors)))
     err.role = ROLE  # the failure policy counts failures per role
@@ -279,7 +241,7 @@ def drain(chunks: dict[int, ObjectRefGenerator], handles: dict[int, Any], *, gra
 class _Stream:
     """A group boosting in one collective session: its tracker and one generator per shard."""
 
-    tracker: _Tracker
+    tracker: Tracker
     chunks: dict[int, ObjectRefGenerator]
 
 
@@ -409,7 +371,9 @@ class XGBoostWorkload:
 
     def _start_stream(self) -> _Stream:
         c = self.config
-        tracker = _Tracker(len(self.shards), c.collective_timeout_s)
+        # Loopback when the whole group is on this node: nothing of it then listens beyond it.
+        host = tracker_host([m["node"] for m in self.members.values()], ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        tracker = Tracker(len(self.shards), c.collective_timeout_s, host)
         args = tracker.worker_args()
         model_ref = None if self.model is None else ray.put(self.model)
         rounds = c.num_boost_round - self.round
