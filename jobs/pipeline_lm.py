@@ -119,6 +119,8 @@ class PipelineLMConfig:
     """Longest to wait for stage actors to start."""
     replace_timeout_s: float = cfg.field(30.0, gt=0)
     """After a lost stage, how long to wait for a replacement before the layers are cut over fewer stages."""
+    link_timeout_s: float = cfg.field(0.0, ge=0)
+    """transport=gloo: longest one wait on a neighbour stage may take before the stage fails naming it (0: step_timeout_s)."""
     driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=400, checkpoint_every_steps=100))
     """Run name, stop rules, checkpoints."""
 
@@ -214,7 +216,8 @@ class PipelineLMWorkload:
         self.ctx = ctx
         self.costs = gpt.measure_costs(self.model, c.micro_batch_size) if c.split == "measured" else [1.0] * self.model.n_layers
         ctx.log.event("layer_costs", seconds=[round(x, 6) for x in self.costs], split=c.split)
-        stage = StageConfig(self.model, lr=c.lr, weight_decay=c.weight_decay, recompute=c.recompute, threads=max(1, int(c.stage_cpus)))
+        stage = StageConfig(self.model, lr=c.lr, weight_decay=c.weight_decay, recompute=c.recompute, threads=max(1, int(c.stage_cpus)),
+                            link_timeout_s=c.link_timeout_s or None)
         cls = LinkedStage if c.dispatch == "linked" else PipelineStage
         self.pool = ActorPool(self.roles()[0], cls, actor_args=lambda key: ((stage,), {}), size=c.stages * c.replicas, start_timeout_s=c.start_timeout_s)
         self.pool.wait_ready(timeout_s=c.start_timeout_s)

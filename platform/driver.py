@@ -474,7 +474,8 @@ class Driver:
             self.failures.append(Failure(role, getattr(exc, "actor", "?"), f"{type(exc).__name__}: {exc}", self.step, time.time()))
             decision = self.failure_policy.decide(self.failures, recoverable=is_recoverable(exc), recovering_since=since)
             since = self.failures[-1].at if since is None else since
-            self._ctx.log.event("failure", step=self.step, role=role, error=str(exc)[:2000], decision=decision.action, reason=decision.reason)
+            self._ctx.log.event("failure", step=self.step, role=role, actor=getattr(exc, "actor", None), error=str(exc)[:2000],
+                                decision=decision.action, reason=decision.reason)
             if decision.action == "fail":
                 self._to(State.FAILED, decision.reason)
                 raise DriverError(f"run {self.run_name!r} failed at step {self.step}: {decision.reason}\n{self._ckpt_hint()}") from exc

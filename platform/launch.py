@@ -8,6 +8,7 @@ same flags and refuse a bad config before Ray starts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Sequence
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from raylane import config as cfg
 from raylane import runconfig
+from raylane.join import ConnectError
 from raylane.registry import JobSpec
 from raylane.runpaths import RunPathError, check_run_name
 
@@ -97,12 +99,17 @@ def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
     except cfg.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    import os
 
     address = args.address or ("auto" if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID") else None)
     try:
         summary = run_job(spec, conf, address=address, new=args.new, resume_with_changes=args.resume_with_changes)
     except cfg.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ConnectError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if exc.stuck:  # ray.init still runs in its thread: Ray's exit hooks would wait on it
+            sys.stdout.flush()
+            os._exit(2)
         raise SystemExit(2) from None
     print(f"run folder: {summary['run_dir']}")

@@ -122,3 +122,14 @@ def test_the_probe_gives_up_at_its_deadline_and_finds_a_listener():
         server.listen(1)
         pair = ("127.0.0.1", server.getsockname()[1])
         assert join._probe([("127.0.0.1", port), pair], time.monotonic() + 5)[0] == pair
+
+
+def test_a_job_module_entrypoint_fails_the_same_way_without_a_traceback(tmp_path):
+    port = _closed_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(HOME=str(tmp_path), RAYLANE_CONNECT_TIMEOUT="3", RAY_USAGE_STATS_ENABLED="0")
+    done = subprocess.run([sys.executable, "-m", "raylane.jobs.linreg", "--address", f"127.0.0.1:{port}", "--set", "driver.tensorboard=false"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert f"127.0.0.1:{port}" in done.stderr and "nothing answered within 3 s" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
