@@ -320,6 +320,10 @@ class GraphSAGEWorkload:
         self.last_eval = self._trainer_call("evaluate")
         return {**self.last_eval, "epochs_done": epoch + 1}
 
+    def progress_of(self, step: int, metrics: dict[str, Any]) -> tuple[float, float, str]:
+        """Batches toward epochs x batches per epoch."""
+        return self.cursor, self.total_batches, "batches"
+
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.cursor >= self.total_batches
 

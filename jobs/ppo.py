@@ -259,6 +259,10 @@ class PPOWorkload:
         """For the pool autoscaler: the share of the last step the learner waited for samples."""
         return {WORKERS: self._waited}
 
+    def progress_of(self, step: int, metrics: dict[str, Any]) -> tuple[float, float, str]:
+        """Env steps toward total_env_steps (the target return may end the run sooner)."""
+        return self.env_steps, self.config.total_env_steps, "env steps"
+
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         c = self.config
         if self.env_steps >= c.total_env_steps:

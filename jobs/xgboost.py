@@ -424,6 +424,9 @@ class XGBoostWorkload:
             self.ctx.log.event("xgboost_resume", round=self.round)
         self._end_stream("failed")  # a stream continues the model it started from, not this one
 
+    def progress_of(self, step: int, metrics: dict[str, Any]) -> tuple[float, float, str]:
+        return self.round, self.config.num_boost_round, "rounds"
+
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.round >= self.config.num_boost_round
 

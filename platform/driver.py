@@ -289,11 +289,12 @@ class Driver:
         store_uri = str(self.run_dir / "checkpoints") if uri is None else f"{uri.rstrip('/')}/{self.run_name}"
         store = CheckpointStore(store_uri, keep=self.config.keep_checkpoints)
         shown = getattr(self.workload, "progress_metrics", (self.workload.main_metric,))
-        progress = Progress(self.config.progress, self.config.max_steps, shown, self.workload.name)
+        progress = Progress(self.config.progress, shown, self.workload.name)
         error: BaseException | None = None
         try:
             self._initialize(runlog, store)
             self._to(State.RUNNING, "initialized")
+            progress.begin(self.step)
             while self.state is State.RUNNING:
                 try:
                     if self._stop_reason:
@@ -311,7 +312,7 @@ class Driver:
                     self.step += 1
                     self.last_metrics = metrics
                     runlog.metrics(self.step, {**metrics, **self._pool_sizes()})
-                    progress.update(self.step, metrics)
+                    progress.update(self.step, metrics, self._measures(started, metrics))
                     notice = self._handle_events()
                     self._log_evictions()
                     self._settle_pools()
@@ -444,6 +445,20 @@ class Driver:
                     f"metric {key!r} is {value} at step {self.step + 1}; the step's update was not checkpointed. "
                     f"{self._ckpt_hint()} Lower the learning rate or check the inputs, then run again with the same run name."
                 )
+
+    def _measures(self, started: float, metrics: dict[str, Any]) -> list[tuple[float, float, str]]:
+        """How far the run is toward each rule that can stop it, as (done, total, unit)."""
+        out = [(float(self.step), float(self.config.max_steps), "steps")]
+        if self.config.max_wall_s:
+            out.append((time.time() - started, self.config.max_wall_s, "s"))
+        own = getattr(self.workload, "progress_of", None)
+        if own is not None:
+            try:
+                if (m := own(self.step, metrics)) is not None:
+                    out.append((float(m[0]), float(m[1]), str(m[2])))
+            except Exception as exc:  # noqa: BLE001 - a progress figure must never fail the run
+                log.debug("workload progress_of failed: %s", exc)
+        return out
 
     def _ckpt_hint(self) -> str:
         if self._ctx is None:

@@ -110,39 +110,63 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class Progress:
-    """A rich progress bar: steps, rate and the main metric. A no-op when disabled."""
+    """A rich progress bar toward the stop rule that will end the run first, its rate since
+    this invocation began, and the main metrics. A no-op when disabled.
 
-    def __init__(self, enabled: bool, total: int | None, metrics: Sequence[str], description: str):
+    Each update gets the run's measures as ``(done, total, unit)``: driver steps toward
+    ``max_steps``, seconds toward ``max_wall_s``, and the workload's own (env steps, rounds,
+    batches). The bar shows the one furthest along, the rule that will stop the run."""
+
+    def __init__(self, enabled: bool, metrics: Sequence[str], description: str):
         self._p = None
         self.metrics = tuple(metrics)
+        self._first: dict[str, tuple[float, float]] = {}  # unit -> (done, time) when first seen
         if not enabled:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
         self._p = RichProgress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            MofNCompleteColumn(),
+            TextColumn("{task.fields[count]}"),
             TextColumn("{task.fields[rate]}"),
             TextColumn("{task.fields[metric]}"),
             TimeElapsedColumn(),
             transient=False,
         )
-        self._task = self._p.add_task(description, total=total, rate="", metric="")
+        self._task = self._p.add_task(description, total=None, count="", rate="", metric="")
         self._p.start()
-        self._t0 = time.monotonic()
-        self._s0: int | None = None
 
-    def update(self, step: int, metrics: Mapping[str, Any], extra: str = "") -> None:
+    def begin(self, step: int) -> None:
+        """The loop starts at ``step`` (0, or the checkpoint resumed from): rates count from here."""
+        self._first["steps"] = (float(step), time.monotonic())
+
+    @staticmethod
+    def pick(measures: Sequence[tuple[float, float, str]]) -> tuple[float, float, str] | None:
+        """The measure furthest along its total (the stop rule that will end the run first)."""
+        usable = [m for m in measures if m[1] and m[1] > 0 and math.isfinite(m[0]) and math.isfinite(m[1])]
+        return max(usable, key=lambda m: m[0] / m[1]) if usable else None
+
+    def rate(self, done: float, unit: str, now: float | None = None) -> float | None:
+        """``unit`` per second since it was first seen in this invocation; None until it moved."""
+        now = time.monotonic() if now is None else now
+        d0, t0 = self._first.setdefault(unit, (done, now))
+        return (done - d0) / (now - t0) if done > d0 and now > t0 else None
+
+    def update(self, step: int, metrics: Mapping[str, Any], measures: Sequence[tuple[float, float, str]] = ()) -> None:
         if self._p is None:
             return
-        if self._s0 is None:
-            self._s0, self._t0 = step - 1, time.monotonic() - 1e-9
-        rate = (step - self._s0) / max(time.monotonic() - self._t0, 1e-9)
+        chosen = self.pick(measures) or (float(step), 0.0, "steps")
+        done, total, unit = chosen
+        for d, _, u in measures:
+            self._first.setdefault(u, (d, time.monotonic()))
+        r = self.rate(done, unit)
         shown = " ".join(
             f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}" for k in self.metrics if k in metrics
         )
-        self._p.update(self._task, completed=step, rate=f"{rate:.2f} steps/s", metric=(shown + " " + extra).strip())
+        count = f"{done:,.0f}/{total:,.0f} {unit}" if total else f"{done:,.0f} {unit}"
+        self._p.update(self._task, completed=done, total=total or None, count=count,
+                       rate="" if r is None else f"{r:,.3g} {unit}/s", metric=shown)
 
     def log(self, text: str) -> None:
         if self._p is not None:

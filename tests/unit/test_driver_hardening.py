@@ -161,3 +161,14 @@ def test_a_resumed_run_drops_the_rows_its_killed_predecessor_wrote_past_the_chec
     assert again["resumed_from"] == 5
     assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == list(range(1, 11))
     assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.discarded.jsonl")] == [6, 7, 8]
+
+
+def test_the_driver_measures_steps_wall_time_and_the_workloads_own_progress(tmp_path):
+    class Budgeted(Counter):
+        def progress_of(self, step, metrics):
+            return step * 100, 10_000, "samples"
+
+    d, _ = drive(tmp_path, Budgeted(), max_steps=4, max_wall_s=3600)
+    units = {unit: (done, total) for done, total, unit in d._measures(d._started_at, {"loss": 0.1})}
+    assert units["steps"] == (4.0, 4.0) and units["samples"] == (400.0, 10_000.0)
+    assert units["s"][1] == 3600 and units["s"][0] >= 0
