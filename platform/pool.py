@@ -216,6 +216,7 @@ class ActorPool:
         self._start_failures = 0
         self._last_start_error: str | None = None
         self._placement_error: str | None = None
+        self._warned: tuple[str, int] | None = None  # the placement warning last logged, and its repeats since
         self._last_place_try = 0.0
         self._closed = False
         target = role.hi if size is None else size
@@ -550,9 +551,10 @@ class ActorPool:
                 picks = self._placer(self.role, missing, avoid=avoid, existing=existing, reserved=reserved)
             except PlacementError as exc:
                 self._placement_error = str(exc)
-                log.warning("pool %s: cannot place more actors yet: %s", self.role.name, exc)
+                self._warn_placement(str(exc))
                 return
             self._placement_error = None if len(picks) == missing else f"only {len(picks)} of {missing} actors fit now"
+            self._warn_placement(None)
             for opts, node_id, market in picks:
                 key = next(self._keys)
                 args, kwargs = self._args(key)
@@ -563,6 +565,19 @@ class ActorPool:
                     ready_ref = getattr(handle, method).remote(*a, **kw)
                 m.ready_ref = ready_ref
                 self._members[key] = m
+
+    def _warn_placement(self, message: str | None) -> None:
+        """Log a placement failure once while it stays the same (the pool retries every
+        second), with how often it repeated when it changes or clears; None: it cleared."""
+        if self._warned is not None and self._warned[0] == message:
+            self._warned = (self._warned[0], self._warned[1] + 1)
+            return
+        if self._warned is not None and self._warned[1]:
+            log.warning("pool %s: the placement warning above repeated %d more time(s)%s", self.role.name, self._warned[1],
+                        "; actors placed again" if message is None else "")
+        self._warned = None if message is None else (message, 0)
+        if message is not None:
+            log.warning("pool %s: cannot place more actors yet (retrying every second; said once): %s", self.role.name, message)
 
     def _retire_idle(self, reason: str = "pool shrunk") -> None:
         for m in list(self._members.values()):
