@@ -9,7 +9,6 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from raylane import config as cfg
 
@@ -65,51 +64,30 @@ def cluster(
     if as_json:
         typer.echo(json.dumps(view.to_json(), indent=2))
         return
-    table = Table(title=f"Ray cluster: {len(view.alive)} alive node(s)")
-    for col in ("node", "address", "market", "speed", "CPU", "GPU", "accelerator", "memory GiB", "free CPU", "status"):
-        table.add_column(col)
-    for n in view.nodes:
-        status = "dead" if not n.alive else ("draining" if n.draining else "alive")
-        table.add_row(
-            n.node_id[:12] + (" (head)" if n.is_head else ""),
-            n.address,
-            n.market,
-            f"{n.speed:g} ({n.speed_source})",
-            f"{n.cpus:g}",
-            f"{n.gpus:g}",
-            n.accelerator_type or "-",
-            f"{n.memory / 2**30:.1f}",
-            f"{n.available.get('CPU', 0):g}",
-            status,
-        )
-    console.print(table)
+    from raylane import tables
+
+    console.print(tables.cluster_view(view, console.width))
 
 
 @app.command()
-def jobs(job: Optional[str] = typer.Argument(None, help="Show this job's config keys with their defaults and docs.")) -> None:
-    """List the workloads that can run, or one job's config."""
-    from raylane import registry
+def jobs(
+    job: Optional[str] = typer.Argument(None, help="Show this job's config keys with their defaults and docs."),
+    wide: bool = typer.Option(False, "--wide", help="Show a job's config keys as a table, however narrow the terminal."),
+) -> None:
+    """List the workloads that can run, or one job's config.
+
+    Below 120 columns each config key is a block (key, type = default, then its docs); from 120 on, or with --wide, a table."""
+    from raylane import registry, tables
 
     if job is None:
-        table = Table(title="raylane jobs")
-        table.add_column("job")
-        table.add_column("what it does")
-        for name, spec in registry.available().items():
-            table.add_row(name, spec.summary)
-        console.print(table)
+        console.print(tables.jobs_table((name, spec.summary) for name, spec in registry.available().items()))
         return
     try:
         spec = registry.get(job)
     except registry.UnknownJobError as exc:
         _fail(str(exc))
-    table = Table(title=f"{spec.name}: config keys (--set key=value)")
-    table.add_column("key", no_wrap=True)  # keys are what users type: never cut
-    table.add_column("type", max_width=12, overflow="ellipsis", no_wrap=True)
-    table.add_column("default", max_width=12)
-    table.add_column("what it is", ratio=1)
-    for key, tname, default, doc in cfg.describe(spec.config_cls):
-        table.add_row(key, tname, repr(default), doc)
-    console.print(table)
+    title = f"{spec.name}: config keys (--set key=value)"
+    console.print(tables.config_keys(title, cfg.describe(spec.config_cls), console.width, wide=wide))
 
 
 @app.command()

@@ -30,9 +30,11 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from raylane import config as cfg
 from raylane.checkpoint import CheckpointStore
-from raylane.cluster import MARKET_LABEL, ClusterView
-from raylane.placement import Plan, RoleSpec, capacity, plan, shortfalls
-from raylane.policies import Autoscaler, CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, PoolAutoscale, PoolView, ScalingPolicy
+from raylane.cluster import ClusterView
+from raylane.elastic import Elasticity
+from raylane.placement import Plan, RoleSpec, fmt_res, plan, shortfalls
+from raylane.plots import plot_run
+from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, PoolAutoscale, ScalingPolicy
 from raylane.pool import LOST, ActorPool, PoolError, WorkError
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 from raylane.runlog import Progress, RunLog
@@ -214,13 +216,9 @@ class Driver:
         self._last_ckpt_time = time.time()
         self._ctx: Context | None = None
         self._monitor: Any = event_source
-        self._desired: dict[str, int] = {}
         self._leaving: dict[str, float] = {}  # node id -> deadline of its preemption notice
-        self._autoscaler = Autoscaler(config.pool_autoscale)
-        self._busy_seen: dict[str, tuple[float, float]] = {}
-        self._channel: Any = None
-        self._requested: list | None = None
-        self._has_autoscaler: bool | None = None
+        self._elastic = Elasticity(workload, autoscale=config.autoscale, pool_autoscale=config.pool_autoscale,
+                                   scaling_policy=self.scaling_policy, cluster_source=self._cluster_source, run_name=self.run_name)
         self._stop_reason: str | None = None
         self._signals: SignalTap | None = None
         self._started_running = False
@@ -311,12 +309,12 @@ class Driver:
                     self._check_finite(metrics)
                     self.step += 1
                     self.last_metrics = metrics
-                    runlog.metrics(self.step, {**metrics, **self._pool_sizes()})
+                    runlog.metrics(self.step, {**metrics, **self._elastic.pool_sizes()})
                     progress.update(self.step, metrics, self._measures(started, metrics))
                     notice = self._handle_events()
                     self._log_evictions()
-                    self._settle_pools()
-                    self._control()
+                    self._elastic.settle()
+                    self._elastic.control(self.step)
                     self._checkpoint(notice=notice)
                     if self.workload.done(self.step, metrics):
                         self._checkpoint(final=True)
@@ -335,11 +333,12 @@ class Driver:
         finally:
             unwatch()
             progress.close()
-            if self._channel is not None:
-                self._quietly(self._channel.close, self.state.value)
+            self._elastic.close(self.state.value)
             summary = self._summary(started, error)
             if self._started_running or not (self.run_dir / "summary.json").exists():
                 runlog.summary(summary)
+                if self._started_running:  # never raises: a plot must not change how the run ended
+                    plot_run(self.run_dir, self.workload.main_metric)
             else:  # a run that could not start keeps the summary of the run it was to continue
                 runlog.event("start_failed", error=summary["error"])
             runlog.close()
@@ -367,25 +366,17 @@ class Driver:
         short = shortfalls(roles, the_plan)
         for s in short:
             runlog.event("shortfall", **s)
-            _say(f"{s['role']}: asked for {s['asked']}, the cluster holds {s['got']} now; missing {_fmt_res(s['missing'])}. "
+            _say(f"{s['role']}: asked for {s['asked']}, the cluster holds {s['got']} now; missing {fmt_res(s['missing'])}. "
                  f"Running with {s['got']}; " + (f"the pool grows toward {s['asked']} as room appears." if self.config.autoscale
-                                                  else f"driver.autoscale is off: `raylane scale` grows it."))
+                                                  else "driver.autoscale is off: `raylane scale` grows it."))
         self.workload.setup(self._ctx)
         pools = self.workload.pools()
         for s in short:  # the ask stands: the pool grows back to it when nodes with room join
             if s["role"] in pools:
-                self._desired[s["role"]] = s["asked"]
+                self._elastic.wanted[s["role"]] = s["asked"]
         if self.poll_events and self._monitor is None:
             self._monitor = PreemptionMonitor()
-        if self.config.control:
-            import ray
-
-            if ray.is_initialized():
-                from raylane.control import ControlChannel
-
-                self._channel = ControlChannel(self.run_name, self.workload.name)
-                self._quietly(self._channel.register)
-                self._quietly(self._channel.publish, self.step, self._reports(self.workload.pools()))
+        self._elastic.start(self._ctx, self.step, control=self.config.control)
         if not self.config.resume and store.steps():
             raise DriverError(
                 f"run {self.run_name!r} already has checkpoints (steps {store.steps()}) in {store.uri}; "
@@ -542,7 +533,7 @@ class Driver:
                 notice = True  # stateful actors the workload did not move: checkpoint now; they are replaced on recovery
         self._ctx.cluster = self._cluster_source()
         if any(isinstance(e, (NodeJoined, NodeLost)) for e in events):
-            self._rescale(pools)
+            self._elastic.rescale(pools)
         return self._stateful_on_leaving() or notice
 
     def _log_evictions(self) -> None:
@@ -569,184 +560,6 @@ class Driver:
         stateful = {r.name for r in self.workload.roles() if r.stateful}
         return any(pool.status().nodes.get(node, 0) for name, pool in self.workload.pools().items() if name in stateful for node in self._leaving)
 
-    def _settle_pools(self) -> None:
-        """Between steps: a pool that cannot refill (or has room to grow back) is rescaled."""
-        if self._ctx is None or not self.config.autoscale:
-            return
-        pools = self.workload.pools()
-        for name, pool in pools.items():
-            self._desired.setdefault(name, pool.target)
-        if any(p.size < p.target or p.target < self._desired[n] for n, p in pools.items() if p.role.lo != p.role.hi):
-            self._ctx.cluster = self._cluster_source()
-            self._rescale(pools)
-
-    def _rescale(self, pools: dict[str, ActorPool]) -> None:
-        assert self._ctx is not None
-        views = []
-        for name, pool in pools.items():
-            self._desired.setdefault(name, pool.target)
-            views.append(PoolView(name, self._desired[name], pool.target, pool.size, pool.role.lo, pool.role.hi, capacity(pool.role, self._ctx.cluster)))
-        for role, target in self.scaling_policy.targets(views).items():
-            self._ctx.log.event("scale", role=role, target=target, desired=self._desired[role], reason="capacity changed")
-            pools[role].resize(target)
-
-    # ------------------------------------------------------------ control and autoscaling
-
-    @staticmethod
-    def _quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The control channel is a convenience: its failures never fail the run."""
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("control channel: %s", exc)
-            return None
-
-    def _control(self) -> None:
-        """Between steps: autoscaling decisions, then requests from ``raylane scale``,
-        then the pools' report for ``raylane pools``."""
-        if self._ctx is None:
-            return
-        pools = self.workload.pools()
-        if self._autoscaler.specs:
-            self._autoscale(pools)
-        if self._requested or any(self._desired.get(r, p.target) > p.size for r, p in pools.items()):
-            self._request_capacity(pools)  # keep the standing request to the autoscaler current
-        if self._channel is not None:
-            for req in self._quietly(self._channel.requests) or []:
-                try:
-                    self._handle_request(req, pools)
-                except PoolError:
-                    raise  # a pool that fails while resizing is the run's business (recovery)
-                except Exception as exc:  # noqa: BLE001 - a bad request must not end the run
-                    log.exception("control request %s failed", req)
-                    self._quietly(self._channel.respond, req, False, f"the driver could not serve the request: {type(exc).__name__}: {exc}")
-            self._quietly(self._channel.publish, self.step, self._reports(pools))
-
-    def _pool_sizes(self) -> dict[str, int]:
-        """Elastic pools' target and live size, logged with every step's metrics (so scaling
-        decisions show in metrics.jsonl and TensorBoard next to what they did)."""
-        out = {}
-        for role, pool in self.workload.pools().items():
-            if pool.role.lo != pool.role.hi:
-                out[f"pool/{role}/target"] = pool.target
-                out[f"pool/{role}/live"] = pool.size
-        return out
-
-    def _autoscale(self, pools: dict[str, ActorPool]) -> None:
-        assert self._ctx is not None
-        waits = getattr(self.workload, "waits", None)
-        waited = waits() if waits is not None else {}
-        now = time.time()
-        for role, spec in self._autoscaler.specs.items():
-            pool = pools.get(role)
-            if pool is None:
-                continue
-            st = pool.status()
-            busy_prev, alive_prev = self._busy_seen.get(role, (0.0, 0.0))
-            self._busy_seen[role] = (st.busy_s, st.alive_s)
-            d_alive = st.alive_s - alive_prev
-            busy = (st.busy_s - busy_prev) / d_alive if d_alive > 0 and st.busy_s >= busy_prev else st.busy_fraction
-            self._autoscaler.observe(role, float(waited.get(role, 0.0)), busy)
-            current = self._desired.get(role, pool.target)
-            can_grow = capacity(pool.role, self._ctx.cluster) > 0 or bool(self._autoscaler_present())
-            decision = self._autoscaler.decide(role, current, now=now, can_grow=can_grow)
-            if decision is not None:
-                target, reason = decision
-                target = min(max(target, pool.role.lo), pool.role.hi)
-                self._ctx.log.event("autoscale", role=role, target=target, previous=current, reason=reason, step=self.step)
-                self._set_target(pools, role, target, reason=f"autoscale: {reason}")
-
-    def _autoscaler_present(self) -> bool:
-        if self._has_autoscaler is None:
-            from raylane import raystate
-
-            self._has_autoscaler = bool(self._quietly(raystate.autoscaler_present))
-        return self._has_autoscaler
-
-    def _set_target(self, pools: dict[str, ActorPool], role: str, n: int, *, reason: str) -> str | None:
-        """Make ``n`` the pool's desired size; returns what is missing when it does not fit."""
-        assert self._ctx is not None
-        pool = pools[role]
-        self._desired[role] = n
-        self._ctx.cluster = self._cluster_source()
-        fits = capacity(pool.role, self._ctx.cluster)
-        pool.resize(n)
-        self._ctx.log.event("scale", role=role, target=n, desired=n, reason=reason)
-        short = n - pool.size - fits
-        missing = None
-        if short > 0:
-            need = dict(pool.role.resources)
-            if pool.role.accelerator == "require":
-                need["GPU"] = max(need.get("GPU", 0.0), 1.0)
-            free = "; ".join(f"{nd.node_id[:8]} ({nd.market}) " + ", ".join(f"{k}={nd.available.get(k, 0.0):g}" for k in sorted(need))
-                             for nd in self._ctx.cluster.nodes if nd.alive and not nd.draining)
-            missing = (f"no room for {short} more {role!r} actor(s) of {{{_fmt_res(need)}}} each "
-                       f"({_fmt_res({k: v * short for k, v in need.items()})} in all); free now: {free or 'nothing'}")
-        self._request_capacity(pools)
-        return missing
-
-    def _request_capacity(self, pools: dict[str, ActorPool]) -> None:
-        """Ask the Ray autoscaler for the room every pool lacks (one request replaces the last)."""
-        assert self._ctx is not None
-        bundles, selectors = [], []
-        for role, pool in pools.items():
-            short = self._desired.get(role, pool.target) - pool.size - capacity(pool.role, self._ctx.cluster)
-            if short <= 0:
-                continue
-            need = dict(pool.role.resources)
-            if pool.role.accelerator == "require":
-                need["GPU"] = max(need.get("GPU", 0.0), 1.0)
-            market = "on-demand" if pool.role.stateful else "spot"
-            bundles += [need] * short
-            selectors += [{MARKET_LABEL: market}] * short
-        if bundles == (self._requested or []) and self._requested is not None:
-            return
-        from raylane import raystate
-
-        self._quietly(raystate.request_resources, bundles, selectors)
-        self._requested = bundles
-        if bundles:
-            self._ctx.log.event("autoscaler_request", bundles=len(bundles), autoscaler=self._autoscaler_present())
-
-    def _handle_request(self, req: dict, pools: dict[str, ActorPool]) -> None:
-        from raylane.control import ControlError, check_scale
-
-        assert self._channel is not None and self._ctx is not None
-        if req.get("op") != "scale":
-            self._quietly(self._channel.respond, req, False, f"unknown request {req.get('op')!r}; this driver serves: scale")
-            return
-        role, n = req.get("role"), req.get("n")
-        try:
-            if not isinstance(n, int):
-                raise ControlError(f"N must be a whole number of actors, got {n!r}")
-            check_scale({r: {"lo": p.role.lo, "hi": p.role.hi} for r, p in pools.items()}, str(role), n)
-        except ControlError as exc:
-            self._quietly(self._channel.respond, req, False, str(exc))
-            return
-        missing = self._set_target(pools, role, n, reason="raylane scale")
-        if missing is None:
-            self._quietly(self._channel.respond, req, True, f"{role!r}: target {n}, resizing now", step=self.step)
-            return
-        present = self._autoscaler_present()
-        how = ("asked the Ray autoscaler for it; the pool grows as nodes join" if present else
-               "this cluster has no autoscaler, so the pool grows only when such nodes join (add them, or choose a smaller N)")
-        self._quietly(self._channel.respond, req, True, f"{role!r}: target {n}, but {missing}; {how}", step=self.step, missing=True, autoscaler=present)
-
-    def _reports(self, pools: dict[str, ActorPool]) -> list:
-        from raylane.control import PoolReport
-
-        out = []
-        for role, pool in pools.items():
-            st = pool.status()
-            spec = self._autoscaler.specs.get(role)
-            out.append(PoolReport(
-                role=role, target=st.target, desired=self._desired.get(role, st.target), live=st.live, starting=st.starting,
-                lo=pool.role.lo, hi=pool.role.hi, nodes=dict(st.nodes), markets=dict(st.markets), busy_fraction=round(st.busy_fraction, 4),
-                evictions=[{"at": e.at, "actor": e.actor, "node": e.node_id, "reason": e.reason} for e in st.evictions[-5:]],
-                placement_error=st.placement_error, autoscale=None if spec is None else {"min": spec.min, "max": spec.max},
-            ))
-        return out
-
     def _summary(self, started: float, error: BaseException | None) -> dict[str, Any]:
         return {
             "run": self.run_name,
@@ -763,6 +576,3 @@ class Driver:
             "run_dir": str(self.run_dir),
         }
 
-
-def _fmt_res(res: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if v and not k.startswith("node:")) or "nothing"

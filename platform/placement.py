@@ -370,6 +370,11 @@ def capacity(role: RoleSpec, cluster: ClusterView) -> int:
     return total
 
 
+def fmt_res(res: Mapping[str, float]) -> str:
+    """``CPU=2, GPU=1``: the nonzero resources, sorted, Ray's per-node markers left out."""
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if v and not k.startswith("node:")) or "nothing"
+
+
 def _fmt(res: Mapping[str, float]) -> str:
     return ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if v) or "nothing"
 

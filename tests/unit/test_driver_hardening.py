@@ -172,3 +172,9 @@ def test_the_driver_measures_steps_wall_time_and_the_workloads_own_progress(tmp_
     units = {unit: (done, total) for done, total, unit in d._measures(d._started_at, {"loss": 0.1})}
     assert units["steps"] == (4.0, 4.0) and units["samples"] == (400.0, 10_000.0)
     assert units["s"][1] == 3600 and units["s"][0] >= 0
+
+
+def test_every_run_leaves_a_plot_of_its_main_metric_beside_the_summary(tmp_path):
+    d, summary = drive(tmp_path, Counter(), max_steps=5)
+    png = tmp_path / "r" / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "r" / "summary.json").exists()
