@@ -36,22 +36,21 @@ from typing import Any
 
 import ray
 from ray import ObjectRefGenerator
-from ray.exceptions import RayTaskError
 
 from raylane import config as cfg
 from raylane.actors import tabular
 from raylane.actors.xgboost_trainer import Shard, TrainerConfig, XGBoostTrainer
 from raylane.driver import Context, DriverConfig
-from raylane.jobs.xgboost_collective import Tracker, first_line, is_collective_error, tracker_host
+from raylane.jobs.xgboost_collective import Tracker, tracker_host
+from raylane.jobs.xgboost_group import ROLE, collect, drain
 from raylane.jobs.xgboost_params import OBJECTIVES, ObjectiveChoice, objective_params, probe, static_params  # noqa: F401 - OBJECTIVES is re-exported
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
-from raylane.pool import LOST, ActorPool, CallTimeoutError, PoolError, WorkError
+from raylane.pool import ActorPool
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
 
-ROLE = "xgboost_trainer"
 
 
 @dataclass
@@ -106,8 +105,18 @@ class XGBoostJobConfig:
     """Run name, folder, resume. Derived here: driver.max_steps = ceil(num_boost_round / checkpoint_every) and driver.checkpoint_every_steps = 1 (a step is a chunk)."""
 
     def validate(self) -> None:
-        self.driver.max_steps = math.ceil(self.num_boost_round / self.checkpoint_every)
-        self.driver.checkpoint_every_steps = 1
+        # A step is a chunk of checkpoint_every rounds, so the step budget and the checkpoint
+        # cadence follow from the rounds; a different value set for them is refused, not overwritten.
+        steps = math.ceil(self.num_boost_round / self.checkpoint_every)
+        plain = DriverConfig()  # a DriverConfig built in code, left at its own defaults, counts as unset too
+        for key, value, derived, defaults, how in (
+                ("max_steps", self.driver.max_steps, steps, (10, plain.max_steps), "set num_boost_round (and checkpoint_every) instead"),
+                ("checkpoint_every_steps", self.driver.checkpoint_every_steps, 1, (1, plain.checkpoint_every_steps),
+                 "set checkpoint_every (rounds) instead")):
+            if value != derived and value not in defaults:
+                raise ValueError(f"driver.{key}={value} does not apply to xgboost: it is {derived} here "
+                                 f"(one step is a chunk of checkpoint_every={self.checkpoint_every} rounds); {how}")
+        self.driver.max_steps, self.driver.checkpoint_every_steps = steps, 1
         prepare(self)
 
 
@@ -154,87 +163,6 @@ def prepare(c: XGBoostJobConfig) -> Prepared:
 
 
 # ---------------------------------------------------------------- the group of trainers
-
-
-class GroupLost(PoolError):
-    """A trainer died mid-call or the collective broke. Recoverable: the driver regroups."""
-
-    def __init__(self, message: str, actor: str = "?"):
-        super().__init__(message)
-        self.actor = actor
-
-
-def collect(calls: dict[int, Any], handles: dict[int, Any], *, what: str, timeout_s: float, grace_s: float) -> dict[int, Any]:
-    """One result per shard, never waiting past ``timeout_s``.
-
-    ``calls`` maps a shard to an ObjectRef, or to a streaming generator whose next item is
-    wanted. Once any call has failed, the others get ``grace_s`` to finish (survivors of a
-    broken collective leave it with an error); those still running are killed, since they
-    may be blocked on a peer that is gone. A lost trainer, or collective errors only, raise
-    :class:`GroupLost` (recoverable); any other error raises :class:`WorkError`.
-    """
-    pending = {ref: i for i, ref in calls.items()}
-    results: dict[int, Any] = {}
-    lost: dict[int, str] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
-    failed_at: float | None = None
-    while pending:
-        limit = deadline if failed_at is None else min(deadline, failed_at + grace_s)
-        left = limit - time.monotonic()
-        if left <= 0:
-            break
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
-        for ready in done:
-            i = pending.pop(ready)
-            try:
-                ref = next(ready) if isinstance(ready, ObjectRefGenerator) else ready
-                results[i] = ray.get(ref, timeout=max(1.0, left))
-            except StopIteration:
-                errors[i] = f"{what!r} ended before its last chunk"
-            except LOST as exc:
-                lost[i] = type(exc).__name__
-            except RayTaskError as exc:
-                errors[i] = str(getattr(exc, "cause", None) or exc)
-            if i not in results and failed_at is None:
-                failed_at = time.monotonic()
-    stuck = sorted(pending.values())
-    for i in stuck:
-        ray.kill(handles[i], no_restart=True)
-    if not (lost or errors or stuck):
-        return results
-    if errors and not lost and not all(is_collective_error(e) for e in errors.values()):
-        grouped: dict[str, list[str]] = {}
-        for i, e in errors.items():
-            grouped.setdefault(first_line(e), []).append(f"shard {i}")
-        err: PoolError = WorkError(what, grouped)  # a bug or bad data: not worth retrying
-    elif failed_at is None:
-        err = CallTimeoutError(f"{what!r} on shard(s) {stuck} did not return within {timeout_s:g} s; those trainers were killed")
-    else:
-        parts = [f"shard {i}: trainer lost ({why})" for i, why in sorted(lost.items())]
-        parts += [f"shard {i}: {first_line(e)}" for i, e in sorted(errors.items())]
-        parts += [f"shard {i}: still in the collective {grace_s:g} s after the first failure, killed" for i in stuck]
-        err = GroupLost(f"{what!r} failed: " + "; ".join(parts), actor=", ".join(f"shard {i}" for i in sorted(lost) or stuck or sorted(errors)))
-    err.role = ROLE  # the failure policy counts failures per role
-    raise err
-
-
-def drain(chunks: dict[int, ObjectRefGenerator], handles: dict[int, Any], *, grace_s: float) -> None:
-    """Wait until every stream has ended (a broken collective ends them with an error);
-    kill the trainers whose stream is still running after ``grace_s``."""
-    pending = {gen: i for i, gen in chunks.items()}
-    deadline = time.monotonic() + grace_s
-    while pending and (left := deadline - time.monotonic()) > 0:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
-        for gen in done:
-            try:
-                ray.get(next(gen), timeout=max(1.0, left))
-            except StopIteration:
-                pending.pop(gen)
-            except Exception:  # noqa: BLE001 - a stream that raised (its trainer died or its collective broke) has ended
-                pending.pop(gen)
-    for i in pending.values():
-        ray.kill(handles[i], no_restart=True)
 
 
 @dataclass

@@ -206,3 +206,18 @@ def test_cli_refuses_bad_input_before_ray_starts_and_documents_every_key(tmp_pat
     assert all(doc for *_, doc in keys), [k for k, *_, doc in keys if not doc]
     result = runner.invoke(app, ["jobs", "xgboost"])
     assert result.exit_code == 0 and "data.eval_fraction" in result.output
+
+
+@pytest.mark.parametrize("override, says", [
+    ("driver.max_steps=3", r"driver.max_steps=3 does not apply to xgboost: it is 5 here .*set num_boost_round"),
+    ("driver.checkpoint_every_steps=4", r"driver.checkpoint_every_steps=4 does not apply to xgboost: it is 1 here .*set checkpoint_every"),
+])
+def test_a_driver_setting_that_xgboost_derives_is_refused_not_overwritten(override, says):
+    from raylane import config as cfg
+    from raylane.jobs.xgboost import XGBoostJobConfig
+
+    base = ["data.source=synthetic:classification", "data.rows=2000", "num_boost_round=50", "checkpoint_every=10"]
+    with pytest.raises(cfg.ConfigError, match=says):
+        cfg.load_config(XGBoostJobConfig, overrides=[*base, override])
+    conf = cfg.load_config(XGBoostJobConfig, overrides=base)
+    assert conf.driver.max_steps == 5 and conf.driver.checkpoint_every_steps == 1
