@@ -28,6 +28,7 @@ from raylane.actors.graph import FEATURE_DTYPES, SharedGraph, load_graph, sbm_gr
 from raylane.actors.sage import GNNTrainerActor, TrainerConfig
 from raylane.actors.sampling import check_fanouts, epoch_plan
 from raylane.driver import Context, DriverConfig
+from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.pool import ActorPool, PoolError
@@ -150,7 +151,7 @@ def describe_input(report: dict) -> list[str]:
     return lines
 
 
-class GraphSAGEWorkload:
+class GraphSAGEWorkload(BaseWorkload):
     name = "graphsage"
     main_metric = "test_acc"
     guarded_metrics = ("loss",)

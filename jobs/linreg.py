@@ -17,6 +17,7 @@ import ray
 from raylane import config as cfg
 from raylane.actors.grad_worker import GradWorker, GradWorkerConfig, true_weights
 from raylane.driver import Context, DriverConfig
+from raylane.workload import BaseWorkload
 from raylane.registry import JobSpec
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
@@ -59,7 +60,7 @@ class LinRegConfig:
             raise ValueError(f"workers ({self.workers}) must not exceed max_workers ({self.max_workers})")
 
 
-class LinRegWorkload:
+class LinRegWorkload(BaseWorkload):
     name = "linreg"
     main_metric = "loss"
     guarded_metrics = ("loss",)

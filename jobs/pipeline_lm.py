@@ -39,6 +39,7 @@ from raylane import schedules as S
 from raylane.actors import corpus, gpt
 from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, measured_bubble, pieces_for, train_batch
 from raylane.driver import Context, DriverConfig
+from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.layer_split import split_virtual, stage_loads
 from raylane.placement import RoleSpec
@@ -184,7 +185,7 @@ def make_layout(name: str, m: int, v: int, replicas: int, actors: list[Any], spe
 # ---------------------------------------------------------------- the workload
 
 
-class PipelineLMWorkload:
+class PipelineLMWorkload(BaseWorkload):
     name = "pipeline_lm"
     main_metric = "loss"
     guarded_metrics = ("loss",)

@@ -23,6 +23,7 @@ from raylane.actors.policy import SpaceSpec, space_spec
 from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
 from raylane.driver import Context, DriverConfig
+from raylane.workload import BaseWorkload
 from raylane.jobs import gym_envs
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
@@ -119,7 +120,7 @@ def check_env(env_id: str, env_module: str | None = None) -> SpaceSpec:
         env.close()
 
 
-class PPOWorkload:
+class PPOWorkload(BaseWorkload):
     name = "ppo"
     main_metric = "return_mean"
     guarded_metrics = ("loss",)

@@ -38,6 +38,7 @@ from raylane.actors.ps_layout import dense_slices
 from raylane.actors.ps_optim import OPTIMIZERS
 from raylane.actors.ps_worker import PSWorker, WorkerConfig, assemble, route
 from raylane.driver import Context, DriverConfig
+from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
 from raylane.pool import LOST, ActorPool, CallTimeoutError, PoolError, WorkError
@@ -141,7 +142,7 @@ class ShardLost(StepFailed):
         self.role, self.actor = SHARDS, ",".join(map(str, shards))
 
 
-class PSCTRWorkload:
+class PSCTRWorkload(BaseWorkload):
     name = "ps_ctr"
     main_metric = "auc"
     guarded_metrics = ("loss", "auc")  # auc is NaN when the held-out scores are not finite

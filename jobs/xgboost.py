@@ -41,6 +41,7 @@ from raylane import config as cfg
 from raylane.actors import tabular
 from raylane.actors.xgboost_trainer import Shard, TrainerConfig, XGBoostTrainer
 from raylane.driver import Context, DriverConfig
+from raylane.workload import BaseWorkload
 from raylane.jobs.xgboost_collective import Tracker, tracker_host
 from raylane.jobs.xgboost_group import ROLE, collect, drain
 from raylane.jobs.xgboost_params import OBJECTIVES, ObjectiveChoice, objective_params, probe, static_params  # noqa: F401 - OBJECTIVES is re-exported
@@ -191,7 +192,7 @@ def speed_shards(rows: int, speeds: list[float]) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------- the workload
 
 
-class XGBoostWorkload:
+class XGBoostWorkload(BaseWorkload):
     name = "xgboost"
 
     def __init__(self, config: XGBoostJobConfig):

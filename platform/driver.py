@@ -24,23 +24,33 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
-from raylane import config as cfg
 from raylane.checkpoint import CheckpointStore
 from raylane.cluster import ClusterView
 from raylane.elastic import Elasticity
-from raylane.placement import Plan, RoleSpec, fmt_res, plan, shortfalls
+from raylane.placement import fmt_res, plan, shortfalls
 from raylane.plots import plot_run
-from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, PoolAutoscale, ScalingPolicy
-from raylane.pool import LOST, ActorPool, PoolError, WorkError
+from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, ScalingPolicy
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 from raylane.runlog import Progress, RunLog
 from raylane.runlog import say as _say
-from raylane.runpaths import check_run_name, check_writable_dir
+from raylane.runpaths import check_run_name
 from raylane.signals import SignalTap
+from raylane.workload import (  # noqa: F401 - the contract's names are also raylane.driver's
+    BaseWorkload,
+    Context,
+    DriverConfig,
+    DriverError,
+    NonFiniteError,
+    RayGone,
+    RunAborted,
+    Workload,
+    default_run_name,
+    hook,
+    is_recoverable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,115 +77,6 @@ TRANSITIONS = {
     State.STOPPED: set(),
     State.FAILED: set(),
 }
-
-
-class DriverError(RuntimeError):
-    """The run ended FAILED; the message says why and where its last checkpoint is."""
-
-
-class RayGone(DriverError):
-    """The Ray this process started died under the run."""
-
-
-class RunAborted(DriverError):
-    """The user aborted the run (a second Ctrl-C); the run folder says STOPPED."""
-
-
-class NonFiniteError(DriverError):
-    """A guarded metric (a loss) became NaN or infinite."""
-
-
-@dataclass
-class DriverConfig:
-    """How a run is driven: its name and folder, stop rules, checkpoints, failures."""
-
-    run_name: str | None = None
-    """Run name; its files go to ``<runs_dir>/<run_name>/``. Running the same name again resumes it. Default: ``<job>-<date>-<time>``."""
-    runs_dir: str = "runs"
-    """Folder holding every run's folder."""
-    max_steps: int = cfg.field(100, ge=1)
-    """Stop after this many steps (the workload may stop earlier on its own target)."""
-    max_wall_s: float = cfg.field(0.0, ge=0)
-    """Stop after this many seconds of wall time; 0 means no limit."""
-    checkpoint_uri: str | None = None
-    """Where checkpoints go: a local folder or any pyarrow URI (``s3://...``); ``<uri>/<run_name>/<step>/``. Default: ``<run folder>/checkpoints``."""
-    checkpoint_every_steps: int = cfg.field(10, ge=0)
-    """Checkpoint every N steps (0: off). Also at the end and at once on a preemption notice."""
-    checkpoint_every_s: float = cfg.field(0.0, ge=0)
-    """Checkpoint when this many seconds passed since the last one (0: off)."""
-    keep_checkpoints: int = cfg.field(3, ge=1)
-    """Keep the newest K checkpoints."""
-    max_failures: int = cfg.field(3, ge=0)
-    """Failures the run recovers from before it is FAILED."""
-    max_recovery_s: float = cfg.field(600.0, ge=0)
-    """Seconds one recovery may take (failure to running again) before the run is FAILED; 0: no limit."""
-    resume: bool = True
-    """Continue from the run's latest checkpoint when the run folder already has one."""
-    autoscale: bool = True
-    """Grow elastic pools when nodes join and shrink them when nodes leave."""
-    progress: bool = True
-    """Show a live progress bar."""
-    tensorboard: bool = True
-    """Write TensorBoard scalars under ``<run folder>/tb``."""
-    control: bool = True
-    """Serve ``raylane pools`` and ``raylane scale`` for this run."""
-    pool_autoscale: list[PoolAutoscale] = field(default_factory=list)
-    """Autoscaled pools: a list of {role, min, max, ...}."""
-
-    def validate(self) -> None:
-        if self.run_name is not None:
-            check_run_name(self.run_name, "run_name")
-
-    def check_paths(self) -> None:
-        """Make and write to the run and checkpoint folders (before Ray starts): a folder
-        that cannot be written is a one-line error, not a failure after the actors are up."""
-        check_writable_dir(self.runs_dir, "driver.runs_dir")
-        if self.checkpoint_uri is not None:
-            check_writable_dir(self.checkpoint_uri, "driver.checkpoint_uri")
-
-
-@dataclass
-class Context:
-    """What a workload gets to build itself: the cluster, the plan for its roles, a store."""
-
-    cluster: ClusterView
-    plan: Plan
-    store: CheckpointStore
-    run_dir: Path
-    log: RunLog
-
-    def count(self, role: str) -> int:
-        return self.plan.count(role)
-
-
-@runtime_checkable
-class Workload(Protocol):
-    """What the driver needs from a workload. See :class:`Driver` for when each is called."""
-
-    name: str
-    main_metric: str
-    guarded_metrics: tuple[str, ...]
-
-    def roles(self) -> list[RoleSpec]: ...
-    def setup(self, ctx: Context) -> None: ...
-    def step(self, step: int) -> dict[str, Any]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-    def done(self, step: int, metrics: dict[str, Any]) -> bool: ...
-    def pools(self) -> dict[str, ActorPool]: ...
-    def recover(self, ctx: Context, error: BaseException) -> None: ...
-    def close(self) -> None: ...
-
-
-def is_recoverable(exc: BaseException) -> bool:
-    """Lost actors, lost nodes and timeouts are recoverable; a method that raised is a bug."""
-    if isinstance(exc, WorkError):
-        return False
-    return isinstance(exc, LOST + (PoolError, TimeoutError))
-
-
-def default_run_name(job: str) -> str:
-    return f"{job}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class Driver:
@@ -282,11 +183,12 @@ class Driver:
 
         started = time.time()
         runlog = RunLog(self.run_dir, tensorboard=self.config.tensorboard)
-        unwatch = session.watch_embedded(lambda why: self._on_ray_gone(why, started, runlog))
+        unwatch = session.watch_embedded(lambda why: self._on_ray_gone(why, started, runlog),
+                                         signalled=lambda: self._signals is not None and self._signals.stop_reason() is not None)
         uri = self.config.checkpoint_uri
         store_uri = str(self.run_dir / "checkpoints") if uri is None else f"{uri.rstrip('/')}/{self.run_name}"
         store = CheckpointStore(store_uri, keep=self.config.keep_checkpoints)
-        shown = getattr(self.workload, "progress_metrics", (self.workload.main_metric,))
+        shown = tuple(getattr(self.workload, "progress_metrics", None) or (self.workload.main_metric,))
         progress = Progress(self.config.progress, shown, self.workload.name)
         error: BaseException | None = None
         try:
@@ -415,9 +317,8 @@ class Driver:
 
     def _finish(self) -> None:
         """The workload's optional end-of-run hook (final model files, plots)."""
-        hook = getattr(self.workload, "finish", None)
-        if hook is not None and self._ctx is not None:
-            hook(self._ctx)
+        if self._ctx is not None:
+            hook(self.workload, "finish")(self._ctx)
 
     def _should_stop(self, started: float) -> bool:
         if self.step >= self.config.max_steps:
@@ -442,13 +343,11 @@ class Driver:
         out = [(float(self.step), float(self.config.max_steps), "steps")]
         if self.config.max_wall_s:
             out.append((time.time() - started, self.config.max_wall_s, "s"))
-        own = getattr(self.workload, "progress_of", None)
-        if own is not None:
-            try:
-                if (m := own(self.step, metrics)) is not None:
-                    out.append((float(m[0]), float(m[1]), str(m[2])))
-            except Exception as exc:  # noqa: BLE001 - a progress figure must never fail the run
-                log.debug("workload progress_of failed: %s", exc)
+        try:
+            if (m := hook(self.workload, "progress_of")(self.step, metrics)) is not None:
+                out.append((float(m[0]), float(m[1]), str(m[2])))
+        except Exception as exc:  # noqa: BLE001 - a progress figure must never fail the run
+            log.debug("workload progress_of failed: %s", exc)
         return out
 
     def _ckpt_hint(self) -> str:
@@ -521,14 +420,12 @@ class Driver:
                 for name, pool in pools.items():
                     if name not in stateful_roles and pool.status().nodes.get(ev.node_id, 0):
                         pool.evacuate(ev.node_id, "preemption notice")
-            handler = getattr(self.workload, "on_event", None)
-            if handler is not None:
-                try:
-                    notice = bool(handler(ev)) or notice
-                except Exception as exc:  # noqa: BLE001 - a reaction that failed must not drop the other events
-                    log.warning("workload's on_event(%s) failed: %s", type(ev).__name__, exc)
-                    self._ctx.log.event("on_event_failed", node=ev.node_id, error=str(exc)[:500])
-                    notice = True
+            try:
+                notice = bool(hook(self.workload, "on_event")(ev)) or notice
+            except Exception as exc:  # noqa: BLE001 - a reaction that failed must not drop the other events
+                log.warning("workload's on_event(%s) failed: %s", type(ev).__name__, exc)
+                self._ctx.log.event("on_event_failed", node=ev.node_id, error=str(exc)[:500])
+                notice = True
             if isinstance(ev, NodeLeaving) and any(pool.status().nodes.get(ev.node_id, 0) for name, pool in pools.items() if name in stateful_roles):
                 notice = True  # stateful actors the workload did not move: checkpoint now; they are replaced on recovery
         self._ctx.cluster = self._cluster_source()

@@ -16,6 +16,7 @@ from raylane.cluster import MARKET_LABEL, ClusterView
 from raylane.placement import capacity, fmt_res
 from raylane.policies import Autoscaler, PoolAutoscale, PoolView, ScalingPolicy
 from raylane.pool import ActorPool, PoolError
+from raylane.workload import hook
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,7 @@ class Elasticity:
 
     def _autoscale(self, pools: dict[str, ActorPool]) -> None:
         assert self.ctx is not None
-        waits = getattr(self.workload, "waits", None)
-        waited = waits() if waits is not None else {}
+        waited = hook(self.workload, "waits")()
         now = time.time()
         for role, spec in self._autoscaler.specs.items():
             pool = pools.get(role)

@@ -71,6 +71,7 @@ def shutdown_within(timeout_s: float) -> bool:
     worker.join(timeout_s)
     atexit.unregister(ray.shutdown)
     _EMBEDDED.clear()
+    _EMBEDDED_AUX.clear()
     if worker.is_alive():  # the reaper stays: once this process is gone it ends what is left of the embedded Ray
         return False
     reaper.stop()
@@ -98,6 +99,7 @@ def disconnect() -> None:
     import ray
 
     _EMBEDDED.clear()
+    _EMBEDDED_AUX.clear()
     if ray.is_initialized():
         ray.shutdown()
     reaper.stop()
@@ -108,6 +110,10 @@ def disconnect() -> None:
 # a terminal's job control), and a driver calling into a dead Ray would then wait out
 # the core worker's 60 s reconnect before the process is ended, writing nothing.
 _EMBEDDED: list = []
+# Ray's helper processes of that start (log monitor, dashboard, autoscaler monitor). They end
+# at once on SIGTERM where the raylet takes ~10 s to shut down, so one of them gone right
+# after this process got a stop signal tells that the signal went to the whole group.
+_EMBEDDED_AUX: list = []
 
 
 def _remember_embedded() -> None:
@@ -118,20 +124,23 @@ def _remember_embedded() -> None:
 
         procs = worker._global_node.all_processes
         _EMBEDDED[:] = [(kind, psutil.Process(info.process.pid)) for kind in ("gcs_server", "raylet") for info in procs.get(kind, [])]
+        _EMBEDDED_AUX[:] = [(kind, psutil.Process(info.process.pid)) for kind in ("log_monitor", "dashboard", "monitor")
+                            for info in procs.get(kind, [])]
         roots = [info.process.pid for infos in procs.values() for info in infos]
     except Exception as exc:  # noqa: BLE001 - without the record there is only no watchdog
         log.debug("embedded Ray processes not found (%s); no watchdog", exc)
         _EMBEDDED.clear()
+        _EMBEDDED_AUX.clear()
         return
     reaper.start(roots)
 
 
-def embedded_ray_gone() -> str | None:
-    """Which of the embedded Ray's GCS and raylet is gone, or None while both run (and
-    when this process did not start its Ray)."""
+def embedded_ray_gone(helpers: bool = False) -> str | None:
+    """Which of the embedded Ray's GCS and raylet (and, with ``helpers``, its helper
+    processes) is gone, or None while all run (and when this process did not start its Ray)."""
     import psutil
 
-    for kind, proc in _EMBEDDED:
+    for kind, proc in _EMBEDDED + (_EMBEDDED_AUX if helpers else []):
         try:
             alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
@@ -141,16 +150,20 @@ def embedded_ray_gone() -> str | None:
     return None
 
 
-def watch_embedded(on_gone: Callable[[str], None], every_s: float = 0.5) -> Callable[[], None]:
+def watch_embedded(on_gone: Callable[[str], None], every_s: float = 0.5,
+                   signalled: Callable[[], bool] = lambda: False) -> Callable[[], None]:
     """Call ``on_gone(reason)`` once, from a daemon thread, when the embedded Ray's GCS or
-    raylet dies; returns a function that stops watching. A no-op for a joined cluster."""
+    raylet dies, or, once ``signalled()`` says this process got a stop signal, when one of
+    Ray's helper processes died too (the signal reached the whole process group, and the
+    raylet is shutting down); returns a function that stops watching. A no-op for a
+    joined cluster."""
     stop = threading.Event()
     if not _EMBEDDED:
         return stop.set
 
     def loop() -> None:
         while not stop.wait(every_s):
-            if (why := embedded_ray_gone()) is not None:
+            if (why := embedded_ray_gone(helpers=signalled())) is not None:
                 on_gone(why)
                 return
 
