@@ -108,7 +108,7 @@ def run(
     the one it started with; a different config is refused with the keys that differ."""
     from raylane import registry, session
     from raylane.driver import DriverError, RunAborted
-    from raylane.launch import load_job_config, run_job
+    from raylane.launch import load_job_config, run_job, summary_line
 
     try:
         spec = registry.get(job)
@@ -126,13 +126,11 @@ def run(
     except DriverError as exc:
         _fail(str(exc), code=1)
     if summary["state"] == "stopped":
-        console.print(f"{spec.name}: stopped at step {summary['steps']} ({summary.get('stop_reason') or 'stop requested'}); "
-                      f"run again with --run-name {summary['run']} to continue")
+        console.print(summary_line(spec.name, summary), highlight=False, markup=False)
         console.print(f"run folder: {summary['run_dir']}")
         _end(130 if "SIGINT" in str(summary.get("stop_reason")) else 0)  # 130: as a shell reports a program ended by Ctrl-C
         return
-    metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary["final_metrics"].items())
-    console.print(f"{spec.name}: {summary['state']} after {summary['steps']} steps in {summary['wall_time_s']:.1f} s; {metrics}")
+    console.print(summary_line(spec.name, summary), highlight=False, markup=False)
     console.print(f"run folder: {summary['run_dir']}")
     _end(0)
 

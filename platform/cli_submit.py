@@ -15,7 +15,7 @@ from typing import List, Optional
 import typer
 
 ADDRESS = ("The cluster's Jobs API (dashboard) URL, e.g. http://127.0.0.1:8265. Default: $RAY_API_SERVER_ADDRESS, "
-           "else the cluster `raylane dev-cluster up` started, else http://127.0.0.1:8265.")
+           "else the cluster `raylane dev-cluster up` started, else http://127.0.0.1:8265. $RAY_ADDRESS is not used.")
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -54,8 +54,18 @@ def _when(t: Optional[float]) -> str:
     return "-" if not t else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def _ended(submission_id: str, status: str, client) -> None:
-    typer.echo(f"\n{submission_id}: {status}", err=True)
+def _follow(client, submission_id: str, timeout: Optional[float]) -> None:
+    """Stream the job's log until it ends, then say how it ended: its status and, for a
+    raylane job, the run summary its driver printed last (final state, steps, metrics)."""
+    from raylane.submission import LogTail, final_summary
+
+    tail = LogTail(_echo_raw)
+    status = _guard(lambda: client.follow(submission_id, tail, timeout_s=timeout))
+    _ended(submission_id, status, client, final_summary(tail.text))
+
+
+def _ended(submission_id: str, status: str, client, summary: Optional[str] = None) -> None:
+    typer.echo(f"\n{submission_id}: {status}" + (f" ({summary})" if summary else ""), err=True)
     if status != "SUCCEEDED":
         info = _guard(lambda: client.info(submission_id))
         if info.message:
@@ -69,10 +79,13 @@ def submit(
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file with config overrides (read here, sent as --set values)."),
     set_: List[str] = typer.Option([], "--set", "-s", help="Override a config key: key=value (repeatable)."),
     run_name: Optional[str] = typer.Option(None, help="Run name; the same name again resumes from its latest checkpoint."),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Stream the logs until the job ends; exit 1 unless it SUCCEEDED."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Stream the logs until the job ends, then print its final status and run summary (steps, metrics); exit 1 unless it SUCCEEDED."),
     timeout: Optional[float] = typer.Option(None, help="With --follow: give up waiting after this many seconds (the job keeps running)."),
 ) -> None:
-    """Submit a job to a Ray cluster; prints its submission id. The config is checked here before anything is sent."""
+    """Submit a job to a Ray cluster; prints its submission id. The config is checked here before anything is sent.
+
+    The cluster is --address, else $RAY_API_SERVER_ADDRESS, else the dev cluster; $RAY_ADDRESS is
+    not used (a warning says so when it names somewhere else), and the job joins the cluster it runs on."""
     from raylane import config as cfg
     from raylane import registry
     from raylane.launch import load_job_config
@@ -90,8 +103,7 @@ def submit(
     if not follow:
         typer.echo(f"watch: raylane logs {submission_id} --follow   status: raylane status {submission_id}   stop: raylane stop {submission_id}", err=True)
         return
-    status = _guard(lambda: client.follow(submission_id, _echo_raw, timeout_s=timeout))
-    _ended(submission_id, status, client)
+    _follow(client, submission_id, timeout)
 
 
 def status(
@@ -125,8 +137,7 @@ def logs(
     if not follow:
         _echo_raw(_guard(lambda: client.logs(submission_id)))
         return
-    status_ = _guard(lambda: client.follow(submission_id, _echo_raw, timeout_s=timeout))
-    _ended(submission_id, status_, client)
+    _follow(client, submission_id, timeout)
 
 
 def stop(

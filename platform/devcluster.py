@@ -4,9 +4,16 @@
 (0 CPUs, like the head of ``deploy/cluster.yaml``) and once per worker node, each
 labelled with its market and speed, so placement, spot preference and
 ``raylane submit`` can be tried end to end before a cloud is involved. Everything is
-as on a real cluster: token authentication on, the dashboard and Jobs API on
-127.0.0.1, a Ray temp dir of its own, free ports picked at start (never Ray's
-defaults, which another Ray on the machine may hold).
+as on a real cluster: token authentication on, a Ray temp dir of its own, free ports
+picked at start (never Ray's defaults, which another Ray on the machine may hold).
+
+What listens where: the dashboard and its Jobs API bind to ``--dashboard-host``
+(127.0.0.1 by default). The GCS, the raylets and the node agents listen on every
+interface, as ``ray start`` always has them on Linux, and answer only with the token.
+They cannot be kept to loopback: ``ray start --node-ip-address=127.0.0.1`` is turned
+into the machine's IP by Ray, and the setting that keeps an embedded Ray on loopback
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, see :class:`raylane.join.loopback_node`)
+makes ``ray start`` refuse to add worker nodes.
 
 ``down`` stops exactly what ``up`` started, and nothing else: every process ``up``
 starts carries ``RAYLANE_DEV_CLUSTER_ID=<id>`` in its environment, which Ray hands
@@ -16,7 +23,8 @@ stops every Ray on the machine.
 
 What ``up`` recorded lives in ``<dir>/state.json`` (default ``~/.raylane/dev-cluster``,
 or ``RAYLANE_DEV_CLUSTER_DIR``); ``raylane submit`` reads it to find the cluster when
-no ``--address`` is given.
+no ``--address`` is given. ``<dir>/connection.env`` holds the same in the variables Ray's
+own tools read (:func:`connection_env`): ``set -a; . <dir>/connection.env; set +a``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -93,6 +102,49 @@ class DevClusterState:
         tmp = state_dir / "state.json.tmp"
         tmp.write_text(json.dumps(asdict(self), indent=2), encoding="utf-8")
         tmp.replace(state_dir / "state.json")  # atomic: a reader never sees half a record
+
+
+CONNECTION_FILE = "connection.env"
+
+
+def connection_env(state: DevClusterState) -> dict[str, str]:
+    """The variables that point Ray's tools and raylane at this cluster.
+
+    ``RAY_ADDRESS`` is the GCS (what ``ray.init``, ``ray status`` and ``raylane cluster``
+    join); ``RAY_API_SERVER_ADDRESS`` is the Jobs API, which ``ray job`` reads before its
+    ``--address`` and before ``RAY_ADDRESS``, as ``raylane submit`` does; with token
+    authentication, ``RAY_AUTH_MODE=token`` (without it Ray's clients send no token) and
+    the token file (never the token itself).
+    """
+    env = {"RAY_ADDRESS": state.gcs_address, "RAY_API_SERVER_ADDRESS": state.dashboard_url, security.AUTH_MODE_ENV: state.auth_mode}
+    if state.auth_mode == "token" and state.token_path:
+        env[security.TOKEN_PATH_ENV] = state.token_path
+    return env
+
+
+def submit_command(state: DevClusterState, job_module: str = "raylane.jobs.linreg") -> str:
+    """The ``ray job submit`` command line for this cluster, its variables set in front, so a
+    RAY_ADDRESS or RAY_API_SERVER_ADDRESS already in the shell cannot send it elsewhere.
+    No ``--working-dir``: every node runs this interpreter, which has raylane, and the
+    driver starts in the directory ``up`` ran in, where the run folders are."""
+    env = connection_env(state)
+    # Not RAY_ADDRESS (the GCS): `ray job` does not need it, and RAY_API_SERVER_ADDRESS wins over it anyway.
+    names = [security.AUTH_MODE_ENV, "RAY_API_SERVER_ADDRESS", security.TOKEN_PATH_ENV]
+    prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in names if k in env)
+    return f"{prefix} ray job submit -- python -m {job_module}"
+
+
+def write_connection_file(state: DevClusterState, state_dir: Path) -> Path:
+    path = state_dir / CONNECTION_FILE
+    lines = [f"# raylane dev cluster {state.cluster_id}, written by `raylane dev-cluster up`; removed by `down`.",
+             f"# Load it into a shell with: set -a; . {shlex.quote(str(path))}; set +a"]
+    if state.auth_mode == "token" and not state.token_path:
+        lines.append(f"# The token comes from {state.token_source}; keep it set where you use this file.")
+    lines += [f"{k}={shlex.quote(v)}" for k, v in connection_env(state).items()]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
 
 
 def default_dir() -> Path:
@@ -264,6 +316,7 @@ def up(
             state.nodes.append(w)
             state.save(state_dir)
         _wait_for_nodes(state, token, deadline)
+        write_connection_file(state, state_dir)
     except DevClusterError as exc:
         down(state_dir, keep_logs=True, log=lambda _m: None)  # stop what did start; keep the logs named here
         raise DevClusterError(f"{exc}\nRay's own logs: {temp_dir}/session_latest/logs") from None
@@ -328,6 +381,7 @@ def _forget(state_dir: Path, state: DevClusterState, keep_logs: bool) -> None:
     if not keep_logs:
         shutil.rmtree(state.temp_dir, ignore_errors=True)
         shutil.rmtree(state_dir / "logs", ignore_errors=True)
+    (state_dir / CONNECTION_FILE).unlink(missing_ok=True)
     (state_dir / "state.json").unlink(missing_ok=True)
 
 
@@ -390,22 +444,29 @@ def up_cmd(
     head_cpus: int = typer.Option(0, help="CPUs the head offers (0: no training work on the head, as in deploy/)."),
     spot_speed: float = typer.Option(1.0, help="raylane.io/speed label of the spot nodes."),
     ondemand_speed: float = typer.Option(1.0, help="raylane.io/speed label of the on-demand nodes."),
-    dashboard_host: str = typer.Option("127.0.0.1", help="Address the dashboard and Jobs API bind to. Anything but loopback needs token authentication."),
+    dashboard_host: str = typer.Option("127.0.0.1", help="Address the dashboard and Jobs API bind to (only they: the GCS and raylets listen on all interfaces). Anything but loopback needs token authentication."),
     object_store_mb: int = typer.Option(256, help="Object store size per node, MiB."),
     timeout: float = typer.Option(120.0, help="Seconds to wait for every node to be up."),
     state_dir: Optional[Path] = _dir_option(),
 ) -> None:
-    """Start a head and worker nodes on this machine: labelled, token-protected, loopback-only."""
+    """Start a head and worker nodes on this machine: labelled and token-protected.
+
+    The dashboard and Jobs API listen on --dashboard-host (127.0.0.1 by default); Ray's GCS, raylets and node agents listen on all interfaces, as `ray start` has them on Linux, and answer only with the cluster's token (with RAY_AUTH_MODE=disabled: to anyone).
+
+    The addresses and the token file's path are written to <dir>/connection.env."""
     try:
         state = up(spot, ondemand, cpus=cpus, head_cpus=head_cpus, spot_speed=spot_speed, ondemand_speed=ondemand_speed,
                    dashboard_host=dashboard_host, object_store_mb=object_store_mb, state_dir=state_dir, timeout_s=timeout,
                    log=typer.echo, warn=lambda m: typer.echo(f"warning: {m}", err=True))
     except (DevClusterError, security.SecurityError) as exc:
         _fail(str(exc))
-    _print_state(state, state_dir or default_dir())
-    typer.echo(f"\nsubmit a job:   raylane submit linreg --follow      (finds this cluster through {state_dir or default_dir()})")
-    typer.echo(f"from Ray's CLI: RAY_AUTH_MODE=token ray job submit --address {state.dashboard_url} -- python -m raylane.jobs.linreg")
-    typer.echo(f"cluster view:   RAY_AUTH_MODE=token raylane cluster --address {state.gcs_address}")
+    state_dir = state_dir or default_dir()
+    _print_state(state, state_dir)
+    auth = f"{security.AUTH_MODE_ENV}={state.auth_mode}"
+    typer.echo(f"\nconnection:     {state_dir / CONNECTION_FILE}   (load it: set -a; . {shlex.quote(str(state_dir / CONNECTION_FILE))}; set +a)")
+    typer.echo(f"submit a job:   raylane submit linreg --follow      (finds this cluster through {state_dir})")
+    typer.echo(f"from Ray's CLI: {submit_command(state)}")
+    typer.echo(f"cluster view:   {auth} raylane cluster --address {state.gcs_address}")
     typer.echo("stop it:        raylane dev-cluster down")
 
 
@@ -459,6 +520,8 @@ def status_cmd(state_dir: Optional[Path] = _dir_option()) -> None:
         _fail(f"no dev cluster recorded in {state_dir}; `raylane dev-cluster up` starts one", code=1)
     alive = len(processes(state.cluster_id))
     _print_state(state, state_dir)
+    if (state_dir / CONNECTION_FILE).exists():
+        typer.echo(f"connection: {state_dir / CONNECTION_FILE}")
     typer.echo(f"{alive} live process(es)")
 
 

@@ -83,6 +83,20 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
     return Driver(workload, conf.driver).run()
 
 
+def summary_line(job: str, summary: dict) -> str:
+    """The line a run ends with, as ``raylane run`` prints it; a submitted job prints it too, so
+    ``raylane submit --follow`` can end with it (:func:`raylane.submission.final_summary` reads it back).
+
+    >>> summary_line("linreg", {"state": "finished", "steps": 5, "wall_time_s": 1.84, "final_metrics": {"loss": 0.010093, "workers": 2}})
+    'linreg: finished after 5 steps in 1.8 s; loss=0.01009, workers=2'
+    """
+    if summary["state"] == "stopped":
+        return (f"{job}: stopped at step {summary['steps']} ({summary.get('stop_reason') or 'stop requested'}); "
+                f"run again with --run-name {summary['run']} to continue")
+    metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary["final_metrics"].items())
+    return f"{job}: {summary['state']} after {summary['steps']} steps in {summary['wall_time_s']:.1f} s; {metrics}"
+
+
 def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
     """``python -m raylane.jobs.<name> [--config F] [--set k=v ...] [--address A] [--run-name N]``."""
     parser = argparse.ArgumentParser(prog=f"python -m raylane.jobs.{spec.name}", description=spec.summary)
@@ -112,4 +126,5 @@ def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
             sys.stdout.flush()
             os._exit(2)
         raise SystemExit(2) from None
+    print(summary_line(spec.name, summary))
     print(f"run folder: {summary['run_dir']}")

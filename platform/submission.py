@@ -11,6 +11,16 @@ are flattened into ``--set key=value`` pairs placed before the user's own ``--se
 overrides, which builds exactly the nested mapping the file would have
 (:func:`config_overrides`).
 
+Where jobs go is decided here, never by Ray: Ray's ``JobSubmissionClient`` lets
+$RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS, override the address it is given, so a
+``RAY_ADDRESS=local`` left in a shell (or an ``auto``, or a GCS address) made it look up
+a GCS on this machine and ask it over gRPC for the dashboard, without raylane's
+token. raylane builds the client with $RAY_API_SERVER_ADDRESS set to the URL it
+resolved (:func:`_jobs_api_env`), and warns when $RAY_ADDRESS names another place
+(:func:`ambient_address_note`). The job's driver is not affected either way: the
+cluster's job supervisor sets its RAY_ADDRESS to the cluster's own GCS, so it always
+joins the cluster it was submitted to.
+
 Every call to the cluster has a deadline (:func:`_call`), including the connection
 check the Ray client makes when it is created, and every error reaches the user as a
 :class:`SubmissionError` with one sentence on what to do: a missing or refused token,
@@ -20,9 +30,11 @@ an address nothing listens on, an unknown submission id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
+import re
 import shlex
 import threading
 import time
@@ -39,6 +51,7 @@ from raylane import security
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 ADDRESS_ENV = "RAY_API_SERVER_ADDRESS"  # what `ray job submit` reads too
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # where a Ray driver joins; `ray job submit` falls back on it, raylane does not
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
@@ -102,6 +115,39 @@ def entrypoint(job: str, overrides: Sequence[str], run_name: str | None = None, 
     return shlex.join(argv + ["--no-progress"])  # a progress bar is noise in a log file
 
 
+# ------------------------------------------------------------------------------ what came back
+
+# The line a raylane job's driver prints when its run ends (raylane.launch.summary_line),
+# the same one `raylane run` prints: "linreg: finished after 5 steps in 1.8 s; loss=0.0101, ...".
+_SUMMARY_LINE = re.compile(r"^(?P<job>[\w.-]+): (?P<rest>finished after \d+ steps\b.*|stopped at step \d+\b.*)$", re.M)
+
+
+def final_summary(log_text: str) -> str | None:
+    """The run summary at the end of a raylane job's log, as ``JOB finished after ...``; None when there is none.
+
+    >>> final_summary("step 1\\nlinreg: finished after 5 steps in 1.8 s; loss=0.0101\\nrun folder: runs/a\\n")
+    'linreg finished after 5 steps in 1.8 s; loss=0.0101'
+    """
+    found = list(_SUMMARY_LINE.finditer(log_text.replace("\r\n", "\n")))
+    return f"{found[-1]['job']} {found[-1]['rest'].strip()}" if found else None
+
+
+class LogTail:
+    """Passes log text on to ``out`` and keeps its last ``keep`` characters, where a job's summary is.
+
+    >>> tail = LogTail(lambda _t: None, keep=8)
+    >>> tail("0123456789"); tail.text
+    '23456789'
+    """
+
+    def __init__(self, out: Callable[[str], None], keep: int = 65536):
+        self.out, self.keep, self.text = out, keep, ""
+
+    def __call__(self, chunk: str) -> None:
+        self.out(chunk)
+        self.text = (self.text + chunk)[-self.keep:]
+
+
 # ------------------------------------------------------------------------------ where to
 
 def resolve_address(address: str | None) -> tuple[str, str]:
@@ -122,6 +168,17 @@ def resolve_address(address: str | None) -> tuple[str, str]:
     return DEFAULT_ADDRESS, "the default"
 
 
+def _dev_cluster_gcs(url: str) -> list[str]:
+    """The GCS address of the recorded dev cluster when ``url`` is its Jobs API: the same cluster."""
+    from raylane import devcluster
+
+    try:
+        state = devcluster.DevClusterState.load(devcluster.default_dir())
+    except devcluster.DevClusterError:
+        return []
+    return [state.gcs_address] if state is not None and state.dashboard_url == url else []
+
+
 def normalize_address(text: str, name: str = "--address") -> str:
     """``127.0.0.1:8265`` -> ``http://127.0.0.1:8265``; anything that is not a Jobs API URL is refused."""
     raw = text.strip()
@@ -140,6 +197,52 @@ def normalize_address(text: str, name: str = "--address") -> str:
         raise SubmissionError(f"{name} {text!r}: port {port} is Ray's {'GCS' if port == 6379 else 'client server'}, not the "
                               "Jobs API; give the dashboard's URL, e.g. http://127.0.0.1:8265")
     return url.rstrip("/")
+
+
+def _hostport(address: str) -> str:
+    parts = urlsplit(address.strip() if "://" in address else f"//{address.strip()}")
+    try:
+        return f"{(parts.hostname or '').lower()}:{parts.port}"
+    except ValueError:
+        return address.strip().lower()
+
+
+def ambient_address_note(url: str, env: Mapping[str, str] | None = None, same_cluster: Sequence[str] = ()) -> str | None:
+    """A warning when $RAY_ADDRESS names somewhere other than ``url`` (or ``same_cluster``,
+    e.g. the GCS of the dev cluster behind ``url``): raylane submits to ``url`` regardless.
+
+    >>> ambient_address_note("http://127.0.0.1:8265", {"RAY_ADDRESS": "local"})[:36]
+    "RAY_ADDRESS='local' is not used here"
+    >>> ambient_address_note("http://127.0.0.1:8265", {"RAY_ADDRESS": "127.0.0.1:8265"}) is None
+    True
+    """
+    env = os.environ if env is None else env
+    value = env.get(RAY_ADDRESS_ENV, "").strip()
+    if not value or _hostport(value) in {_hostport(a) for a in (url, *same_cluster)}:
+        return None
+    return (f"{RAY_ADDRESS_ENV}={value!r} is not used here: raylane sends jobs to the Jobs API at {url} (--address, "
+            f"${ADDRESS_ENV} or the dev cluster choose it). {RAY_ADDRESS_ENV} says which Ray a driver joins "
+            "('local': a private one), and the submitted job joins the cluster it runs on whatever this shell says.")
+
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _jobs_api_env(url: str):
+    """While Ray's client is built: ``$RAY_API_SERVER_ADDRESS=url``. The client lets that
+    variable, else $RAY_ADDRESS, override the address it is given; this makes the override
+    the URL raylane chose, so neither a shell's RAY_ADDRESS nor a stale variable reroutes it."""
+    with _ENV_LOCK:
+        before = os.environ.get(ADDRESS_ENV)
+        os.environ[ADDRESS_ENV] = url
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(ADDRESS_ENV, None)
+            else:
+                os.environ[ADDRESS_ENV] = before
 
 
 # ------------------------------------------------------------------------------ the client
@@ -201,6 +304,8 @@ class JobsClient:
     def __init__(self, address: str | None = None, *, timeout_s: float = 30.0, warn: Callable[[str], None] = lambda m: None):
         self.url, self.source = resolve_address(address)
         self.timeout_s = timeout_s
+        if note := ambient_address_note(self.url, same_cluster=_dev_cluster_gcs(self.url)):
+            warn(note)
         try:
             self.token = security.find_token()
         except security.SecurityError as exc:
@@ -221,7 +326,8 @@ class JobsClient:
             # Ray's client logs "WebSocket closed ..." at INFO after every tail; raylane says how the job ended instead.
             logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
 
-            return JobSubmissionClient(self.url, headers=headers)
+            with _jobs_api_env(self.url):
+                return JobSubmissionClient(self.url, headers=headers)
 
         self._client = self._do(connect, "connecting to the Jobs API")
 

@@ -1,6 +1,8 @@
 """Jobs on a real Ray cluster through the Jobs API, as a user drives them: `raylane dev-cluster up`
 (a head and two labelled worker nodes started with `ray start`, token authentication on,
-the dashboard on 127.0.0.1), `raylane submit --follow` to SUCCEEDED with its run summary,
+the dashboard on 127.0.0.1, its connection written to connection.env), `raylane submit
+--follow` to SUCCEEDED ending with its run summary, a RAY_ADDRESS left in the shell neither
+rerouting the submission nor the job, the `ray job submit` command `up` prints run as printed,
 `ray job submit` of a long raylane job stopped with `raylane stop`, a missing and a wrong
 token refused with the way to supply it, and `raylane dev-cluster down` stopping exactly
 its own processes.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -90,6 +93,24 @@ def test_the_dashboard_and_jobs_api_listen_on_loopback_only(dev):
     port = int(dev.state.dashboard_url.rsplit(":", 1)[1])
     listening = [c for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
     assert listening and all(security.is_loopback(c.laddr.ip) for c in listening), listening
+    # What `dev-cluster up --help` says of the rest: the GCS listens on every interface (and asks for the token).
+    gcs_port = int(dev.state.gcs_address.rsplit(":", 1)[1])
+    gcs = [c for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == gcs_port]
+    assert gcs and not any(security.is_loopback(c.laddr.ip) for c in gcs), gcs
+
+
+@pytest.mark.timeout(60)
+def test_up_writes_the_connection_file_and_prints_the_ray_job_submit_command(dev):
+    path = dev.state_dir / devcluster.CONNECTION_FILE
+    assert f"connection:     {path}" in dev.up_output
+    loaded = subprocess.run(["bash", "-c", f"set -a; . {shlex.quote(str(path))}; set +a; env"], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin"}, timeout=30).stdout
+    env = dict(line.split("=", 1) for line in loaded.splitlines() if line.startswith("RAY_"))
+    dash_port = dev.state.dashboard_url.rsplit(":", 1)[1]
+    assert env == {"RAY_ADDRESS": dev.state.gcs_address, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}",
+                   "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(dev.token.path)}
+    assert (f"from Ray's CLI: RAY_AUTH_MODE=token RAY_API_SERVER_ADDRESS=http://127.0.0.1:{dash_port} "
+            f"RAY_AUTH_TOKEN_PATH={shlex.quote(str(dev.token.path))} ray job submit -- python -m raylane.jobs.linreg") in dev.up_output
 
 
 @pytest.mark.timeout(150)
@@ -98,11 +119,15 @@ def test_submit_follow_runs_a_job_to_succeeded_with_its_run_summary(dev):
     out = dev.run("submit", "linreg", "--follow", "--set", "driver.max_steps=5", "--set", "workers=2", "--run-name", "follow-1", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     submission_id = flat(out.stdout).split(" as ", 1)[1].split()[0]
-    assert f"{submission_id}: SUCCEEDED" in out.stderr
     assert "run folder: runs/follow-1" in out.stdout, "the driver's own output is streamed"
     summary = json.loads((dev.cwd / "runs" / "follow-1" / "summary.json").read_text())
     assert (summary["job"], summary["state"], summary["steps"], summary["error"]) == ("linreg", "finished", 5, None)
     assert summary["final_metrics"]["workers"] == 2 and summary["final_metrics"]["loss"] < 1.0
+    # It ends as a local run does: final state, steps and metrics, from the job's own last line.
+    loss = f"loss={summary['final_metrics']['loss']:.4g}"
+    assert f"linreg: finished after 5 steps in {summary['wall_time_s']:.1f} s; {loss}" in out.stdout
+    ended = out.stderr.strip().splitlines()[-1]
+    assert ended.startswith(f"{submission_id}: SUCCEEDED (linreg finished after 5 steps in ") and loss in ended, out.stderr
 
     info = dev.status(submission_id)
     assert info["status"] == "SUCCEEDED" and info["metadata"] == {"raylane.job": "linreg", "raylane.run_name": "follow-1"}
@@ -113,6 +138,46 @@ def test_submit_follow_runs_a_job_to_succeeded_with_its_run_summary(dev):
     assert logs.returncode == 0 and "run folder: runs/follow-1" in logs.stdout
     followed = dev.run("logs", submission_id, "--follow", "--timeout", "60")  # an ended job: the whole log, then its status
     assert followed.returncode == 0 and "run folder: runs/follow-1" in followed.stdout and "SUCCEEDED" in followed.stderr
+
+
+def _cluster_node_ids(dev) -> set[str]:
+    out = dev.run("cluster", "--address", dev.state.gcs_address, "--json", "--no-calibrate", env=dict(dev.env, RAY_AUTH_MODE="token"))
+    assert out.returncode == 0, out.stderr
+    return {n["node_id"] for n in json.loads(out.stdout)["nodes"] if n["alive"]}
+
+
+def _planned_nodes(run_dir: Path) -> set[str]:
+    plans = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines() if '"plan"' in l]
+    return {a["node_id"] for p in plans if p.get("event") == "plan" for a in p["assignments"]}
+
+
+@pytest.mark.timeout(150)
+def test_a_ray_address_in_the_shell_neither_reroutes_the_submission_nor_the_job(dev):
+    # A user's shell with RAY_ADDRESS=local: Ray's client used it instead of the dev cluster's Jobs API.
+    out = dev.run("submit", "linreg", "--follow", "--set", "driver.max_steps=3", "--run-name", "shell-local", timeout=120,
+                  env=dict(dev.env, RAY_ADDRESS="local"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "RAY_ADDRESS='local' is not used here" in flat(out.stderr) and dev.state.dashboard_url in flat(out.stderr)
+    assert "SUCCEEDED (linreg finished after 3 steps" in out.stderr
+    # The job's driver joined the cluster it was submitted to, not a private Ray of its own.
+    planned = _planned_nodes(dev.cwd / "runs" / "shell-local")
+    assert planned and planned <= _cluster_node_ids(dev), planned
+    # The cluster's own GCS address in RAY_ADDRESS is the same cluster: nothing to warn about.
+    quiet = dev.run("list", env=dict(dev.env, RAY_ADDRESS=dev.state.gcs_address))
+    assert quiet.returncode == 0 and "is not used here" not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.timeout(150)
+def test_the_ray_job_submit_command_up_prints_runs_as_printed(dev):
+    line = next(l for l in dev.up_output.splitlines() if l.startswith("from Ray's CLI: "))
+    command = line.split(": ", 1)[1] + " --set driver.max_steps=3 --run-name ray-cli-1"
+    # Run by a shell that has RAY_ADDRESS=local and no token settings: the command carries what it needs.
+    env = {k: v for k, v in dev.env.items() if k != "RAY_AUTH_TOKEN_PATH"}
+    env.update(RAY_ADDRESS="local", PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))
+    out = subprocess.run(["bash", "-c", command], cwd=dev.cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "linreg: finished after 3 steps" in out.stdout and "succeeded" in out.stdout.lower()
+    assert _planned_nodes(dev.cwd / "runs" / "ray-cli-1") <= _cluster_node_ids(dev)
 
 
 @pytest.mark.timeout(90)

@@ -173,3 +173,64 @@ def test_dev_cluster_refuses_bad_sizes_before_starting_anything(tmp_path, args, 
 def test_dev_cluster_down_without_a_cluster_says_so(tmp_path):
     result = CliRunner().invoke(app, ["dev-cluster", "down", "--dir", str(tmp_path / "dev")])
     assert result.exit_code == 0 and "nothing to stop" in result.output
+
+
+@pytest.mark.parametrize("variable, value", [("RAY_ADDRESS", "local"), ("RAY_ADDRESS", "auto"), ("RAY_API_SERVER_ADDRESS", "127.0.0.1:1")])
+def test_an_address_in_the_shell_does_not_reroute_the_jobs_client(recorder, monkeypatch, variable, value):
+    # Ray's client lets $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS, override the address it is given: with
+    # RAY_ADDRESS=local it went looking for a GCS on this machine instead of asking the Jobs API at --address.
+    url, seen = recorder
+    monkeypatch.setenv(variable, value)
+    result = CliRunner().invoke(app, ["list", "--address", url])
+    assert "/api/version" in seen, f"the Jobs API at --address was never asked: {result.output}"
+    assert result.exit_code == 2 and url in flat(result.output) and "401" not in result.output
+    import os
+
+    assert os.environ[variable] == value, "the shell's variable is put back"
+    if variable == "RAY_ADDRESS":
+        assert f"RAY_ADDRESS={value!r} is not used here: raylane sends jobs to the Jobs API at {url}" in flat(result.output)
+
+
+def test_ray_address_is_only_warned_about_when_it_names_another_cluster():
+    url = "http://127.0.0.1:8265"
+    assert submission.ambient_address_note(url, {}) is None
+    assert submission.ambient_address_note(url, {"RAY_ADDRESS": "http://127.0.0.1:8265/"}) is None
+    assert submission.ambient_address_note(url, {"RAY_ADDRESS": "127.0.0.1:6400"}, same_cluster=["127.0.0.1:6400"]) is None
+    for other in ("local", "auto", "127.0.0.1:6379", "http://10.0.0.5:8265"):
+        note = submission.ambient_address_note(url, {"RAY_ADDRESS": other})
+        assert note and repr(other) in note and url in note and "joins the cluster it runs on" in note
+
+
+def test_the_run_summary_a_job_prints_is_read_back_from_its_log():
+    from raylane.launch import summary_line
+
+    summary = {"run": "r", "state": "finished", "steps": 5, "wall_time_s": 1.84, "final_metrics": {"loss": 0.0100929, "workers": 2}}
+    log = f"Running entrypoint for job x\nstep noise: finished after 9 steps? no\n{summary_line('linreg', summary)}\nrun folder: runs/r\n"
+    assert submission.final_summary(log) == "linreg finished after 5 steps in 1.8 s; loss=0.01009, workers=2"
+    stopped = summary_line("linreg", {**summary, "state": "stopped", "stop_reason": "SIGTERM"})
+    assert submission.final_summary(stopped + "\n") == "linreg stopped at step 5 (SIGTERM); run again with --run-name r to continue"
+    assert submission.final_summary("Traceback (most recent call last):\n  ...\n") is None
+
+
+def test_dev_cluster_up_help_says_what_listens_where():
+    result = CliRunner().invoke(app, ["dev-cluster", "up", "--help"], env={"COLUMNS": "200"})
+    text = flat(result.output)
+    assert result.exit_code == 0 and "loopback-only" not in text
+    assert "--dashboard-host (127.0.0.1 by default)" in text and "GCS, raylets and node agents listen on all interfaces" in text
+    assert "connection.env" in text
+
+
+def test_the_connection_file_and_the_ray_job_submit_command_name_the_cluster(tmp_path):
+    from raylane import devcluster
+
+    token = tmp_path / "my token"
+    state = devcluster.DevClusterState("abc", "127.0.0.1:6400", "http://127.0.0.1:4321", "127.0.0.1", str(tmp_path), "token",
+                                       f"{token} (RAY_AUTH_TOKEN_PATH)", str(token))
+    path = devcluster.write_connection_file(state, tmp_path)
+    out = subprocess.run(["bash", "-c", f"set -a; . {shlex.quote(str(path))}; set +a; env"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    loaded = dict(line.split("=", 1) for line in out.stdout.splitlines() if line.startswith("RAY_"))
+    assert loaded == {"RAY_ADDRESS": "127.0.0.1:6400", "RAY_API_SERVER_ADDRESS": "http://127.0.0.1:4321",
+                      "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    assert devcluster.submit_command(state) == (f"RAY_AUTH_MODE=token RAY_API_SERVER_ADDRESS=http://127.0.0.1:4321 "
+                                                f"RAY_AUTH_TOKEN_PATH={shlex.quote(str(token))} ray job submit -- python -m raylane.jobs.linreg")
