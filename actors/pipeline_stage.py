@@ -40,7 +40,7 @@ import torch
 
 from raylane.actors import gpt
 from raylane.actors.gloo_link import GlooLink, Rendezvous, rendezvous, same_node
-from raylane.pool import LOST
+from raylane.errors import LOST
 from raylane.schedules import Op, Schedule, submission_order
 
 

@@ -13,7 +13,7 @@ from ray import ObjectRefGenerator
 from ray.exceptions import RayTaskError
 
 from raylane.jobs.xgboost_collective import first_line, is_collective_error
-from raylane.pool import LOST, CallTimeoutError, PoolError, WorkError
+from raylane.errors import LOST, CallTimeoutError, PoolError, WorkError
 
 ROLE = "xgboost_trainer"
 

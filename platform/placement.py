@@ -9,7 +9,7 @@ be lost. The planner assigns actors to nodes of a :class:`~raylane.cluster.Clust
 * a role that does not fit its preferred market falls back to the other one and the
   plan records why; a role that fits nowhere is an error naming the missing resources.
 
-:func:`ray_options` is the one place where a plan becomes Ray scheduling options.
+:func:`raylane.ray_options.ray_options` is the one place where a plan becomes Ray scheduling options.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class Assignment:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every role's actors assigned to nodes. ``ray_options`` turns an entry into Ray options."""
+    """Every role's actors assigned to nodes. ``raylane.ray_options.ray_options`` turns an entry into Ray options."""
 
     assignments: tuple[Assignment, ...]
 
@@ -393,24 +393,3 @@ def _no_room(role: RoleSpec, wanted: int, placed: int, nodes: Sequence[NodeInfo]
         lines.append(f"  node {n.node_id[:8]} ({n.market}) free {{{_fmt(free[n.node_id])}}}, missing {{{_fmt(missing)}}}")
     lines.append("Add nodes with those resources, lower the role's per-actor resources, or lower its count.")
     return "\n".join(lines)
-
-
-def ray_options(assignment: Assignment, *, soft: bool = True) -> dict:
-    """Ray ``.options(...)`` for one assigned actor.
-
-    The node affinity is soft by default: if the node went away between planning and
-    scheduling, Ray may place the actor elsewhere rather than leaving it pending.
-    """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    res = dict(assignment.resources)
-    opts: dict = {
-        "num_cpus": res.pop("CPU", 0.0),
-        "num_gpus": res.pop("GPU", 0.0),
-        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=assignment.node_id, soft=soft),
-    }
-    if "memory" in res:
-        opts["memory"] = res.pop("memory")
-    if res:
-        opts["resources"] = res
-    return opts

@@ -34,45 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import ray
-from ray.exceptions import (
-    GetTimeoutError,
-    NodeDiedError,
-    ObjectLostError,
-    OutOfMemoryError,
-    RayActorError,
-    RayTaskError,
-    TaskCancelledError,
-    WorkerCrashedError,
-)
+from ray.exceptions import GetTimeoutError, RayTaskError
 
-from raylane.placement import PlacementError, RoleSpec, place_more, ray_options
+from raylane.errors import LOST, CallTimeoutError, PoolError, WorkError  # noqa: F401 - also raylane.pool's names
+from raylane.placement import PlacementError, RoleSpec, place_more
+from raylane.ray_options import ray_options
 
 log = logging.getLogger(__name__)
-
-# Errors that mean "the actor (or its node) is gone", as opposed to a bug in the method.
-LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError, OutOfMemoryError, TaskCancelledError)
-
-
-class PoolError(RuntimeError):
-    """The pool cannot finish the work asked of it; the message says why and what to change.
-    ``role`` names the pool's role, so the driver's failure policy can count per role."""
-
-    role: str | None = None
-
-
-class CallTimeoutError(PoolError, TimeoutError):
-    """An actor call ran past its timeout. Names the actor, its node, the method and the wait."""
-
-
-class WorkError(PoolError):
-    """An actor method raised. Identical errors are grouped with the actors that raised them."""
-
-    def __init__(self, method: str, errors: dict[str, list[str]]):
-        self.errors = errors
-        self.method = method
-        parts = [f"{len(actors)} call(s) of {method!r} on {', '.join(actors)} raised:\n{msg}" for msg, actors in errors.items()]
-        super().__init__("\n".join(parts))
-
 
 @dataclass(frozen=True)
 class Eviction:

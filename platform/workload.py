@@ -16,7 +16,8 @@ from raylane.checkpoint import CheckpointStore
 from raylane.cluster import ClusterView
 from raylane.placement import Plan, RoleSpec
 from raylane.policies import PoolAutoscale
-from raylane.pool import LOST, ActorPool, PoolError, WorkError
+from raylane.errors import is_recoverable  # noqa: F401 - part of the contract
+from raylane.pool import ActorPool
 from raylane.runlog import RunLog
 from raylane.runpaths import check_run_name, check_writable_dir
 
@@ -117,13 +118,6 @@ class Workload(Protocol):
     def pools(self) -> dict[str, ActorPool]: ...
     def recover(self, ctx: Context, error: BaseException) -> None: ...
     def close(self) -> None: ...
-
-
-def is_recoverable(exc: BaseException) -> bool:
-    """Lost actors, lost nodes and timeouts are recoverable; a method that raised is a bug."""
-    if isinstance(exc, WorkError):
-        return False
-    return isinstance(exc, LOST + (PoolError, TimeoutError))
 
 
 def default_run_name(job: str) -> str:

@@ -18,7 +18,8 @@ from raylane.actors.grad_worker import rows
 from raylane.cluster import ClusterView
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.linreg import LinRegConfig, LinRegWorkload
-from raylane.placement import RoleSpec, plan, ray_options
+from raylane.placement import RoleSpec, plan
+from raylane.ray_options import ray_options
 from raylane.pool import ActorPool
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 

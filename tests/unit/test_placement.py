@@ -1,4 +1,4 @@
-"""raylane.placement: split_by_speed, RoleSpec validation, plan/place_one/capacity, ray_options.
+"""raylane.placement: split_by_speed, RoleSpec validation, plan/place_one/capacity; raylane.ray_options.
 
 Clusters are built by hand from NodeInfo; no Ray instance is started.
 """
@@ -25,9 +25,9 @@ from raylane.placement import (
     place_more,
     place_one,
     plan,
-    ray_options,
     split_by_speed,
 )
+from raylane.ray_options import ray_options
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -707,3 +707,11 @@ def test_a_plan_that_holds_fewer_than_a_role_wants_is_a_shortfall_with_the_missi
 def test_want_outside_the_roles_bounds_is_refused():
     with pytest.raises(ValueError, match=r"want must be between 1 and 16, got 500"):
         RoleSpec("w", {"CPU": 1.0}, min_count=1, max_count=16, want=500)
+
+
+def test_placement_imports_no_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, raylane.placement; assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules), 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
