@@ -101,7 +101,7 @@ def adjacency(graph: SharedGraph) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
+class GNNTrainerConfig:
     """The trainer's slice of the job config."""
 
     in_dim: int
@@ -125,7 +125,7 @@ class TrainerConfig:
 class GNNTrainer:
     """Ray actor: GraphSAGE + Adam on sampled batches; evaluation on the full graph."""
 
-    def __init__(self, config: TrainerConfig, graph: SharedGraph):
+    def __init__(self, config: GNNTrainerConfig, graph: SharedGraph):
         self.config = config
         self.graph = graph
         torch.manual_seed(config.seed)
@@ -241,6 +241,6 @@ class GNNTrainerActor(GNNTrainer):
     (see :mod:`raylane.actors.allocator`): a training step allocates and frees dozens of
     MiB of activations and gradients, and kept pages spare it the page faults."""
 
-    def __init__(self, config: TrainerConfig, graph: SharedGraph):
+    def __init__(self, config: GNNTrainerConfig, graph: SharedGraph):
         keep_freed_memory()
         super().__init__(config, graph)

@@ -1,7 +1,7 @@
 """XGBoost trainers: one data shard per actor, joined through xgboost's own collective.
 
 Where it lives: any node with ``nthread`` free CPUs (a stateful role: on-demand nodes first,
-unless the job prefers spot). What is copied into it: its slice of the config (a :class:`TrainerConfig`:
+unless the job prefers spot). What is copied into it: its slice of the config (a :class:`XGBoostTrainerConfig`:
 the table spec, not the data), then one :class:`Shard` through :meth:`XGBoostTrainer.load`,
 whose rows it reads itself. The driver never ships rows.
 
@@ -36,7 +36,7 @@ from raylane.actors.tabular import TableSpec, eval_mask, read_rows
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
+class XGBoostTrainerConfig:
     """The slice of the job a trainer needs: what to read and how to build and train."""
 
     table: TableSpec
@@ -66,7 +66,7 @@ class Shard:
 class XGBoostTrainer:
     """Holds one shard (train and eval rows as arrays) and the matrices built from them."""
 
-    def __init__(self, config: TrainerConfig):
+    def __init__(self, config: XGBoostTrainerConfig):
         # xgboost takes about a second to import (it imports scikit-learn when installed):
         # start now, so it overlaps with reading the shard instead of delaying the first chunk.
         threading.Thread(target=importlib.import_module, args=("xgboost",), name="import-xgboost", daemon=True).start()

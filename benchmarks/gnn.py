@@ -36,7 +36,7 @@ from raylane import config as cfg
 from raylane.actors.allocator import keep_freed_memory
 from raylane.actors.gnn_sampler import GNNSampler, GNNSamplerActor, SamplerConfig
 from raylane.actors.graph import FEATURE_DTYPES, feature_array, sbm_graph, to_shared
-from raylane.actors.sage import GNNTrainer, TrainerConfig
+from raylane.actors.sage import GNNTrainer, GNNTrainerConfig
 from raylane.actors.sampling import epoch_plan
 from raylane.driver import Driver
 from raylane.jobs.graphsage import GraphSAGEConfig, GraphSAGEWorkload
@@ -91,7 +91,7 @@ def epoch_in_process(graph, fanouts, batch_size: int, hidden: int, seed: int, ep
     Returns every epoch's time (training + evaluation), the trainer's compute in it
     (training steps + evaluation), and the final test accuracy."""
     torch.set_num_threads(1)
-    trainer = GNNTrainer(TrainerConfig(in_dim=int(graph.x.shape[1]), num_classes=graph.num_classes, hidden=hidden, layers=len(fanouts), seed=seed), graph)
+    trainer = GNNTrainer(GNNTrainerConfig(in_dim=int(graph.x.shape[1]), num_classes=graph.num_classes, hidden=hidden, layers=len(fanouts), seed=seed), graph)
     sampler = GNNSampler(SamplerConfig(tuple(fanouts), batch_size, seed), graph)
     plan = epoch_plan([len(s) for s in graph.train_seeds], batch_size)
     times, busy = [], []

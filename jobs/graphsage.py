@@ -25,7 +25,7 @@ import ray
 from raylane import config as cfg
 from raylane.actors.gnn_sampler import GNNSamplerActor, SamplerConfig
 from raylane.actors.graph import FEATURE_DTYPES, SharedGraph, load_graph, sbm_graph, to_shared
-from raylane.actors.sage import GNNTrainerActor, TrainerConfig
+from raylane.actors.sage import GNNTrainerActor, GNNTrainerConfig
 from raylane.actors.sampling import check_fanouts, epoch_plan
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
@@ -188,9 +188,9 @@ class GraphSAGEWorkload(BaseWorkload):
             RoleSpec(SAMPLERS, {"CPU": c.sampler_cpus}, min_count=1, max_count=c.max_samplers, want=c.samplers),
         ]
 
-    def _trainer_config(self) -> TrainerConfig:
+    def _trainer_config(self) -> GNNTrainerConfig:
         c, g = self.config, self.graph
-        return TrainerConfig(in_dim=int(g.x.shape[1]), num_classes=g.num_classes, hidden=c.hidden, layers=len(c.fanouts),
+        return GNNTrainerConfig(in_dim=int(g.x.shape[1]), num_classes=g.num_classes, hidden=c.hidden, layers=len(c.fanouts),
                              dropout=c.dropout, lr=c.lr, weight_decay=c.weight_decay, seed=c.seed)
 
     def _sampler_args(self, key: int) -> tuple[tuple, dict]:

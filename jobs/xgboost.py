@@ -39,7 +39,7 @@ from ray import ObjectRefGenerator
 
 from raylane import config as cfg
 from raylane.actors import tabular
-from raylane.actors.xgboost_trainer import Shard, TrainerConfig, XGBoostTrainer
+from raylane.actors.xgboost_trainer import Shard, XGBoostTrainerConfig, XGBoostTrainer
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
 from raylane.jobs.xgboost_collective import Tracker, tracker_host
@@ -224,7 +224,7 @@ class XGBoostWorkload(BaseWorkload):
         # The objective may have been chosen from the labels: say which, and why, first.
         ctx.log.event("xgboost_objective", **self.prep.objective.event(self.prep.metrics))
         print(self.prep.objective.line(self.prep.metrics), flush=True)
-        trainer = TrainerConfig(self.prep.table, d.eval_fraction, d.seed, c.threads, self.prep.quantile, int(self.prep.params.get("max_bin", 256)))
+        trainer = XGBoostTrainerConfig(self.prep.table, d.eval_fraction, d.seed, c.threads, self.prep.quantile, int(self.prep.params.get("max_bin", 256)))
         self.pool = ActorPool(self.roles()[0], XGBoostTrainer, actor_args=lambda key: ((trainer,), {}), size=c.trainers, start_timeout_s=c.load_timeout_s)
         self.pool.wait_ready(timeout_s=c.load_timeout_s)
         self._ensure_group()

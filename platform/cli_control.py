@@ -74,8 +74,8 @@ def pools(
     table.add_column("evictions", overflow="fold")
     for role, p in report["pools"].items():
         target = f"{p['target']} of {p['lo']}..{p['hi']}" + (" auto" if p.get("autoscale") else "")
-        if p["desired"] != p["target"]:
-            target += f", wants {p['desired']}"
+        if p["wanted"] != p["target"]:
+            target += f", wants {p['wanted']}"
         live = f"{p['live']}" + (f" +{p['starting']}" if p["starting"] else "")
         nodes = ", ".join(f"{n[:8]} ({c})" for n, c in sorted(p["nodes"].items()))
         markets = ", ".join(f"{c} {m}" for m, c in sorted(p["markets"].items()))

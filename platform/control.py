@@ -51,7 +51,7 @@ class PoolReport:
 
     role: str
     target: int
-    desired: int
+    wanted: int
     live: int
     starting: int
     lo: int

@@ -77,7 +77,7 @@ class Elasticity:
             self.wanted.setdefault(name, pool.target)
             views.append(PoolView(name, self.wanted[name], pool.target, pool.size, pool.role.lo, pool.role.hi, capacity(pool.role, self.ctx.cluster)))
         for role, target in self.scaling_policy.targets(views).items():
-            self.ctx.log.event("scale", role=role, target=target, desired=self.wanted[role], reason="capacity changed")
+            self.ctx.log.event("scale", role=role, target=target, wanted=self.wanted[role], reason="capacity changed")
             pools[role].resize(target)
 
     @staticmethod
@@ -152,14 +152,14 @@ class Elasticity:
         return self._has_autoscaler
 
     def _set_target(self, pools: dict[str, ActorPool], role: str, n: int, *, reason: str) -> str | None:
-        """Make ``n`` the pool's desired size; returns what is missing when it does not fit."""
+        """Make ``n`` the size the pool is wanted at; returns what is missing when it does not fit."""
         assert self.ctx is not None
         pool = pools[role]
         self.wanted[role] = n
         self.ctx.cluster = self._cluster_source()
         fits = capacity(pool.role, self.ctx.cluster)
         pool.resize(n)
-        self.ctx.log.event("scale", role=role, target=n, desired=n, reason=reason)
+        self.ctx.log.event("scale", role=role, target=n, wanted=n, reason=reason)
         short = n - pool.size - fits
         missing = None
         if short > 0:
@@ -228,7 +228,7 @@ class Elasticity:
             st = pool.status()
             spec = self._autoscaler.specs.get(role)
             out.append(PoolReport(
-                role=role, target=st.target, desired=self.wanted.get(role, st.target), live=st.live, starting=st.starting,
+                role=role, target=st.target, wanted=self.wanted.get(role, st.target), live=st.live, starting=st.starting,
                 lo=pool.role.lo, hi=pool.role.hi, nodes=dict(st.nodes), markets=dict(st.markets), busy_fraction=round(st.busy_fraction, 4),
                 evictions=[{"at": e.at, "actor": e.actor, "node": e.node_id, "reason": e.reason} for e in st.evictions[-5:]],
                 placement_error=st.placement_error, autoscale=None if spec is None else {"min": spec.min, "max": spec.max},

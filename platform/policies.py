@@ -130,7 +130,7 @@ class PoolView:
     """What the scaling policy needs to know about one pool."""
 
     role: str
-    desired: int  # the size the job (or the user, through `scale`) asked for
+    wanted: int  # the size the job (or the user, through `scale`) asked for
     target: int  # the size the pool is trying to hold now
     live: int  # actors alive: ready or starting
     lo: int
@@ -140,17 +140,17 @@ class PoolView:
 
 @dataclass(frozen=True)
 class ScalingPolicy:
-    """Keep each elastic pool at its desired size where the cluster allows it.
+    """Keep each elastic pool at its wanted size where the cluster allows it.
 
     When nodes leave and a pool cannot be refilled (no room anywhere), its target drops
     to what survives, never below ``lo``, so the job runs on smaller instead of waiting.
-    When nodes join, the target grows back toward the desired size. Fixed-size roles
+    When nodes join, the target grows back toward the wanted size. Fixed-size roles
     (``lo == hi``) are left alone: their size is part of the job's maths, and losing one
     of their actors is a failure for the driver to recover, not a scaling decision.
     """
 
     grow: bool = True
-    """Grow pools back toward their desired size when capacity appears."""
+    """Grow pools back toward their wanted size when capacity appears."""
 
     def targets(self, pools: Sequence[PoolView]) -> dict[str, int]:
         """New targets for the pools whose target should change."""
@@ -161,8 +161,8 @@ class ScalingPolicy:
             target = p.target
             if p.live < p.target and p.fits_more == 0:
                 target = max(p.lo, p.live)
-            elif self.grow and p.target < p.desired and p.fits_more > 0:
-                target = min(p.desired, p.hi, p.target + p.fits_more)
+            elif self.grow and p.target < p.wanted and p.fits_more > 0:
+                target = min(p.wanted, p.hi, p.target + p.fits_more)
             if target != p.target:
                 out[p.role] = target
         return out

@@ -17,7 +17,7 @@ Example::
 
     pool = ActorPool(RoleSpec("worker", count=2), Worker, actor_args=lambda k: ((k,), {}))
     squares = pool.map("square", [1, 2, 3, 4], timeout_s=60)
-    pool.call_all("set_weights", weights_ref, sticky=True)   # replayed on every new actor
+    pool.call_all("set_weights", weights_ref, timeout_s=30)
     pool.resize(4)
     pool.shutdown()
 """
@@ -178,7 +178,6 @@ class ActorPool:
         self._members: dict[int, _Member] = {}
         self._tickets: dict[int, _Ticket] = {}
         self._queue: deque[int] = deque()
-        self._sticky: dict[str, tuple[tuple, dict]] = {}
         self._evictions: deque[Eviction] = deque(maxlen=50)
         self._recent_dead_nodes: dict[str, float] = {}
         self._start_failures = 0
@@ -321,21 +320,16 @@ class ActorPool:
         done = self.gather(tickets, timeout_s=timeout_s)
         return [done[t] for t in tickets]
 
-    def call_all(self, method: str, *args: Any, timeout_s: float, sticky: bool = False, require_all: bool = False, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: str, *args: Any, timeout_s: float, require_all: bool = False, **kwargs: Any) -> list[Any]:
         """Call ``method`` once on every live actor; results of the actors that answered.
 
-        Actors still starting get the call too (after their start-up). ``sticky=True``
-        also replays the call on every actor started later (replacements, growth),
-        before it gets any other work; a newer sticky call of the same method replaces
-        the older one. ``require_all=True`` raises :class:`PoolError` if an actor died
+        Actors still starting get the call too (after their start-up). ``require_all=True`` raises :class:`PoolError` if an actor died
         instead of answering (for calls that carry state, such as loading a checkpoint).
 
-        >>> pool.call_all("set_weights", ray.put(w), timeout_s=30, sticky=True)
+        >>> pool.call_all("set_weights", ray.put(w), timeout_s=30)
         """
         with self._lock:
             self._check_open()
-            if sticky:
-                self._sticky[method] = (args, kwargs)
             members = [m for m in self._members.values() if not m.retiring]
             refs = {}
             for m in members:
@@ -528,10 +522,7 @@ class ActorPool:
                 args, kwargs = self._args(key)
                 handle = self._cls.options(max_restarts=0, max_task_retries=0, **opts).remote(*args, **kwargs)
                 m = _Member(key, handle, node_id, market, created=time.monotonic(), resources=_resources(opts))
-                ready_ref = handle.__ray_ready__.remote()
-                for method, (a, kw) in self._sticky.items():
-                    ready_ref = getattr(handle, method).remote(*a, **kw)
-                m.ready_ref = ready_ref
+                m.ready_ref = handle.__ray_ready__.remote()
                 self._members[key] = m
 
     def _warn_placement(self, message: str | None) -> None:
@@ -643,7 +634,7 @@ class ActorPool:
                 return
             if kind == "ready":
                 if ref != m.ready_ref:
-                    return  # an older start-up reference; a newer sticky call is the one to wait for
+                    return  # an older start-up reference; a call_all made while it started is the one to wait for
                 if failure is None:
                     m.ready = True
                     self._start_failures = 0

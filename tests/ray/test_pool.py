@@ -126,23 +126,6 @@ def test_resize_while_work_in_flight(ray_local):
         pool.shutdown()
 
 
-def test_sticky_call_is_replayed_on_replacements(ray_local):
-    pool = make_pool(2)
-    try:
-        weights = ray.put([1.0, 2.0, 3.0])
-        pool.call_all("set_weights", weights, timeout_s=30, sticky=True)
-        pids = pool.call_all("pid", timeout_s=30)
-        os.kill(pids[1], signal.SIGKILL)
-        # The next call sees the death, evicts, and the replacement gets the weights first.
-        deadline = time.time() + 60
-        while time.time() < deadline and not pool.status().evictions:
-            pool.map("square", [1, 2], timeout_s=60)
-        pool.wait_ready(timeout_s=60)
-        assert pool.call_all("get_weights", timeout_s=30) == [[1.0, 2.0, 3.0]] * 2
-    finally:
-        pool.shutdown()
-
-
 def test_method_error_is_grouped_not_retried(ray_local):
     pool = make_pool(2)
     try:

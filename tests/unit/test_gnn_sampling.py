@@ -9,7 +9,7 @@ import torch
 from raylane import config as cfg
 from raylane.actors.gnn_sampler import GNNSampler, SamplerConfig, make_batch
 from raylane.actors.graph import GraphError, csr_in, load_graph, make_data, partition, save_graph, sbm_graph, to_shared, validate_graph
-from raylane.actors.sage import SAGE, GNNTrainer, TrainerConfig, train_mlp_baseline
+from raylane.actors.sage import SAGE, GNNTrainer, GNNTrainerConfig, train_mlp_baseline
 from raylane.actors.sampling import batch_rng, batch_seeds, check_fanouts, epoch_plan, first_seen, sample_offsets, sample_subgraph
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -297,7 +297,7 @@ def test_graphsage_beats_the_features_only_mlp_in_process():
     torch.set_num_threads(1)
     g = to_shared(sbm_graph(3000, seed=0), 2)
     mlp = train_mlp_baseline(g)
-    trainer = GNNTrainer(TrainerConfig(in_dim=g.x.shape[1], num_classes=g.num_classes, seed=0), g)
+    trainer = GNNTrainer(GNNTrainerConfig(in_dim=g.x.shape[1], num_classes=g.num_classes, seed=0), g)
     plan = epoch_plan([len(s) for s in g.train_seeds], 256)
     for epoch in range(4):
         for p, i in plan:
@@ -344,7 +344,7 @@ def test_seeds_only_forward_equals_the_whole_batch_forward(fanouts):
         model(x, ei, (b["num_sampled_nodes"][:-1], b["num_sampled_edges"][:-1]))
     with pytest.raises(ValueError, match="the batch has"):
         model(x[:-1], ei, hops)
-    trainer = GNNTrainer(TrainerConfig(in_dim=g.x.shape[1], num_classes=g.num_classes, layers=len(fanouts)), g)
+    trainer = GNNTrainer(GNNTrainerConfig(in_dim=g.x.shape[1], num_classes=g.num_classes, layers=len(fanouts)), g)
     with pytest.raises(ValueError, match=r"lacks \['num_sampled_nodes', 'num_sampled_edges'\]"):
         trainer.train({k: v for k, v in b.items() if not k.startswith("num_sampled")})
 
@@ -359,7 +359,7 @@ def test_float16_features_halve_the_batch_and_train_like_float32():
     b16 = make_batch(g16, seeds, (5, 3), batch_rng(seed=0, epoch=0, part=0, index=0))
     assert b16["x"].dtype == np.float16 and np.array_equal(b16["edge_index"], b32["edge_index"])
     np.testing.assert_allclose(b16["x"].astype(np.float32), b32["x"], rtol=1e-3, atol=1e-3)
-    conf = lambda g: TrainerConfig(in_dim=g.x.shape[1], num_classes=g.num_classes, dropout=0.0, seed=0)  # noqa: E731
+    conf = lambda g: GNNTrainerConfig(in_dim=g.x.shape[1], num_classes=g.num_classes, dropout=0.0, seed=0)  # noqa: E731
     t32, t16 = GNNTrainer(conf(g32), g32), GNNTrainer(conf(g16), g16)
     for _ in range(3):
         l32, l16 = t32.train(b32)["loss"], t16.train(b16)["loss"]

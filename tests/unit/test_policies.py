@@ -180,30 +180,30 @@ def test_checkpoint_validation(kwargs, fragment):
 # --------------------------------------------------------------------------- ScalingPolicy
 
 
-def pool(role="worker", desired=4, target=4, live=4, lo=2, hi=8, fits_more=0) -> PoolView:
-    return PoolView(role=role, desired=desired, target=target, live=live, lo=lo, hi=hi, fits_more=fits_more)
+def pool(role="worker", wanted=4, target=4, live=4, lo=2, hi=8, fits_more=0) -> PoolView:
+    return PoolView(role=role, wanted=wanted, target=target, live=live, lo=lo, hi=hi, fits_more=fits_more)
 
 
-def test_scaling_grows_back_toward_desired_when_capacity_appears():
+def test_scaling_grows_back_toward_the_wanted_size_when_capacity_appears():
     policy = ScalingPolicy()
-    assert policy.targets([pool(desired=6, target=3, live=3, fits_more=2)]) == {"worker": 5}
-    assert policy.targets([pool(desired=6, target=3, live=3, fits_more=10)]) == {"worker": 6}
-    assert policy.targets([pool(desired=6, target=6, live=6, fits_more=10)]) == {}  # never past desired
-    assert policy.targets([pool(desired=20, target=7, live=7, fits_more=10)]) == {"worker": 8}  # nor past hi
-    assert ScalingPolicy(grow=False).targets([pool(desired=6, target=3, live=3, fits_more=2)]) == {}
+    assert policy.targets([pool(wanted=6, target=3, live=3, fits_more=2)]) == {"worker": 5}
+    assert policy.targets([pool(wanted=6, target=3, live=3, fits_more=10)]) == {"worker": 6}
+    assert policy.targets([pool(wanted=6, target=6, live=6, fits_more=10)]) == {}  # never past wanted
+    assert policy.targets([pool(wanted=20, target=7, live=7, fits_more=10)]) == {"worker": 8}  # nor past hi
+    assert ScalingPolicy(grow=False).targets([pool(wanted=6, target=3, live=3, fits_more=2)]) == {}
 
 
 def test_scaling_shrinks_to_what_survives_when_nothing_fits_never_below_lo():
     policy = ScalingPolicy()
-    assert policy.targets([pool(desired=6, target=6, live=4, lo=2, fits_more=0)]) == {"worker": 4}
-    assert policy.targets([pool(desired=6, target=6, live=1, lo=2, fits_more=0)]) == {"worker": 2}
-    assert policy.targets([pool(desired=6, target=6, live=4, lo=2, fits_more=1)]) == {}  # the pool refills itself
-    assert policy.targets([pool(desired=4, target=4, live=4)]) == {}
+    assert policy.targets([pool(wanted=6, target=6, live=4, lo=2, fits_more=0)]) == {"worker": 4}
+    assert policy.targets([pool(wanted=6, target=6, live=1, lo=2, fits_more=0)]) == {"worker": 2}
+    assert policy.targets([pool(wanted=6, target=6, live=4, lo=2, fits_more=1)]) == {}  # the pool refills itself
+    assert policy.targets([pool(wanted=4, target=4, live=4)]) == {}
 
 
 def test_scaling_leaves_fixed_size_roles_alone():
     policy = ScalingPolicy()
-    pools = [pool("shard", desired=4, target=4, live=2, lo=4, hi=4, fits_more=0), pool("worker", desired=5, target=3, live=3, lo=1, hi=6, fits_more=1)]
+    pools = [pool("shard", wanted=4, target=4, live=2, lo=4, hi=4, fits_more=0), pool("worker", wanted=5, target=3, live=3, lo=1, hi=6, fits_more=1)]
     assert policy.targets(pools) == {"worker": 4}
 
 
