@@ -4,7 +4,7 @@ notice, against the same job fault-free and against restart-everything recovery.
     python benchmarks/spot.py                                   # one preemption a minute, 30 s notice, 4 min runs
     python benchmarks/spot.py --every 30 --notice 10 --duration 100 --workloads graphsage xgboost
 
-One process tree: a simulated cluster (``raylane.spotmarket``: an on-demand head with 2
+One process tree: a simulated cluster (``raylane.testing.spotmarket``: an on-demand head with 2
 CPUs and two spot nodes with 2 CPUs each, real raylets) kept for all runs. For every
 workload (PPO on CartPole, GraphSAGE on the generated graph, XGBoost with its trainers on
 spot) and every mode, the job runs for ``--duration`` seconds of wall time:
@@ -50,7 +50,7 @@ from raylane.driver import Driver  # noqa: E402
 from raylane.pool import PoolError  # noqa: E402
 from raylane.preemption import NodeLost  # noqa: E402
 from raylane.registry import get  # noqa: E402
-from raylane.spotmarket import SpotMarket  # noqa: E402
+from raylane.testing.spotmarket import SpotMarket  # noqa: E402
 
 SPOT = ("spot-a", "spot-b")
 

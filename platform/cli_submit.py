@@ -1,5 +1,5 @@
 """``raylane submit JOB``, ``status ID``, ``logs ID``, ``stop ID``, ``list``: jobs on a running
-Ray cluster through the Ray Jobs API (:mod:`raylane.submission`).
+Ray cluster through the Ray Jobs API (:mod:`raylane.jobs_client`, :mod:`raylane.submission`).
 
 Exit status: 0 done (with ``--follow``: the job SUCCEEDED), 1 the job FAILED or was
 STOPPED, 2 bad input or a cluster that refused or could not be reached (the message
@@ -28,7 +28,8 @@ def _warn(message: str) -> None:
 
 
 def _client(address: Optional[str]):
-    from raylane.submission import JobsClient, SubmissionError
+    from raylane.jobs_client import JobsClient
+    from raylane.submission import SubmissionError
 
     try:
         return JobsClient(address, warn=_warn)

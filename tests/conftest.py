@@ -1,5 +1,5 @@
 """Shared fixtures. Tiers: unit (no Ray), ray (one local instance per module),
-cluster (a simulated multi-node cluster per module), chaos and slow (opt-in)."""
+cluster (a simulated multi-node cluster per module), chaos (opt-in: pytest -m chaos tests/chaos)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _spot_market():
     """One simulated cluster for the whole session (starting one takes ~15 s)."""
     import ray
 
-    from raylane.spotmarket import SpotMarket
+    from raylane.testing.spotmarket import SpotMarket
 
     if ray.is_initialized():
         ray.shutdown()

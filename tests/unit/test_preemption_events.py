@@ -93,7 +93,7 @@ def test_seconds_left_with_now_zero():
 
 
 def test_random_spot_schedule_is_seeded_and_well_formed():
-    from raylane.spotmarket import random_schedule
+    from raylane.testing.spotmarket import random_schedule
 
     a = random_schedule(7, events=6, every_s=10.0, notice_s=30.0, notice_share=0.5)
     assert a == random_schedule(7, events=6, every_s=10.0, notice_s=30.0, notice_share=0.5)

@@ -1,5 +1,8 @@
 """A simulated spot market on ``ray.cluster_utils.Cluster``, for tests and benchmarks.
 
+Test and benchmark support only: no production path (the CLI, the driver, the jobs)
+imports it.
+
 It starts a real multi-node Ray cluster on this machine (every node a real raylet),
 labels nodes with their market and speed the way a cloud cluster would, and takes
 nodes away the way a spot market does: with a notice (Ray's drain API with the
