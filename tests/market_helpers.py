@@ -22,17 +22,15 @@ def by_name(market, name: str):
     return next(n for n in market.nodes.values() if n.name == name)
 
 
-def notice_then_remove(market, steps: list, log: list, *, notice_at: int, remove_at: int, notice_s: float = 2.0):
-    """The chaos schedule the parameter-server and XGBoost cases share, in a background
-    thread (returned, started): once ``len(steps)`` reaches ``notice_at``, the first spot
+def notice_then_remove(market, log: list, *, notice_at: int, remove_at: int, notice_s: float = 2.0):
+    """The chaos schedule the parameter-server and XGBoost cases share, as a ``during``
+    schedule for ``harness.drive``: once ``notice_at`` step calls have begun, the first spot
     node by name is preempted with ``notice_s`` of notice; at ``remove_at`` the last one is
     removed without notice; each comes back at once. What happened goes into ``log``."""
-    import threading
 
-    def run() -> None:
+    def schedule(steps) -> None:
         for at, pick, notice in ((notice_at, 0, True), (remove_at, -1, False)):
-            while len(steps) < at:
-                time.sleep(0.02)
+            steps.wait(at)
             victim = sorted(market.spot_nodes(), key=lambda n: n.name)[pick]
             log.append(f"{'notice' if notice else 'remove'} {victim.name} at step {len(steps)}")
             if notice:
@@ -41,6 +39,4 @@ def notice_then_remove(market, steps: list, log: list, *, notice_at: int, remove
                 market.remove(victim)
             market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    return schedule

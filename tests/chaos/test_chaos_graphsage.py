@@ -4,15 +4,15 @@ back) while the job trains. Samplers live on spot, the trainer on the on-demand 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from raylane import config as cfg
-from raylane.driver import Driver
 from raylane.jobs.graphsage import GraphSAGEConfig, GraphSAGEWorkload
 from raylane.runlog import read_jsonl
+
+from harness import Steps, drive  # tests/harness.py
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -23,14 +23,13 @@ OVERRIDES = ["graph.nodes=12000", "batch_size=200", "batches_per_step=3", "epoch
 def run(tmp_path, name: str, during=None) -> tuple[dict, GraphSAGEWorkload]:
     conf = cfg.load_config(GraphSAGEConfig, overrides=OVERRIDES + [f"driver.runs_dir={tmp_path}", f"driver.run_name={name}"])
     workload = GraphSAGEWorkload(conf)
-    steps: list[int] = []
-    over = threading.Event()
+    steps = Steps()
+    over = steps.schedule_over
     original = workload.step
 
     def step(i):
         # A step takes a fraction of a second here, so the run would end before the schedule
         # plays out: while it runs, steps are paced, and the last step waits for its end.
-        steps.append(i)
         if during is not None and workload.cursor + conf.batches_per_step >= workload.total_batches:
             assert over.wait(timeout=180), "the spot schedule did not finish"
         metrics = original(i)
@@ -38,22 +37,8 @@ def run(tmp_path, name: str, during=None) -> tuple[dict, GraphSAGEWorkload]:
             time.sleep(0.25)
         return metrics
 
-    workload.step = step
-    thread = None
-    if during is not None:
-
-        def play():
-            try:
-                during(steps)
-            finally:
-                over.set()
-
-        thread = threading.Thread(target=play, daemon=True)
-        thread.start()
-    summary = Driver(workload, conf.driver).run()
-    if thread is not None:
-        thread.join(timeout=120)
-    return summary, workload
+    workload.step = step  # drive() logs the step in ``steps`` before this runs
+    return drive(workload, conf.driver, during=during, steps=steps, join_s=120).summary, workload
 
 
 def test_graphsage_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
@@ -61,19 +46,15 @@ def test_graphsage_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
     market = spot_cluster
     log: list[tuple[int, str]] = []
 
-    def at_step(steps, n):
-        while len(steps) < n:
-            time.sleep(0.02)
-
     def schedule(steps):
         # 1: a drain with a 2 s notice, the node then replaced
-        at_step(steps, 6)
+        steps.wait(6)
         victim = sorted(market.spot_nodes(), key=lambda n: n.name)[0]
         log.append((len(steps), f"notice {victim.name}"))
         market.preempt(victim, notice_s=2.0)
         market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
         # 2 and 3: two hard removals in a row, then all spot capacity gone for a while
-        at_step(steps, len(steps) + 4)
+        steps.wait(len(steps) + 4)
         for victim in sorted(market.spot_nodes(), key=lambda n: n.name):
             log.append((len(steps), f"remove {victim.name}"))
             market.remove(victim)

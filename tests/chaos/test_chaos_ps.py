@@ -5,15 +5,12 @@ counts equal the clocks run, whatever was lost and replayed."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from raylane.cluster import ClusterView
-from raylane.driver import Driver, DriverConfig
+from raylane.driver import DriverConfig
 from raylane.jobs.ps_ctr import PSCTRConfig, PSCTRWorkload
-from raylane.runlog import read_jsonl
 
+from harness import Driven, drive  # tests/harness.py
 from market_helpers import notice_then_remove, wait_all_free  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
@@ -28,42 +25,32 @@ def make(tmp_path, name: str) -> PSCTRConfig:
     return conf
 
 
-def run(conf: PSCTRConfig, slow: float = 0.0, on_step=None) -> tuple[dict, list[dict]]:
+def run(conf: PSCTRConfig, slow: float = 0.0, during=None) -> tuple[Driven, list[dict]]:
+    """``slow``: each step sleeps this long first, as long as on real data, so the schedule
+    lands between and inside them."""
     workload = PSCTRWorkload(conf)
     shard_stats: list[dict] = []
-    original_step, original_close = workload.step, workload.close
 
-    def step(i: int):
-        if on_step is not None:
-            on_step(i)
-        time.sleep(slow)  # steps as long as on real data, so the schedule lands between and inside them
-        return original_step(i)
-
-    def close():
+    def keep_stats():
         import ray
 
         if workload.shards:
             shard_stats.extend(ray.get([workload.shards[i].stats.remote() for i in sorted(workload.shards)], timeout=60))
-        original_close()
 
-    workload.step, workload.close = step, close
-    return Driver(workload, conf.driver).run(), shard_stats
+    return drive(workload, conf.driver, during=during, pace_s=slow, before_close=keep_stats, join_s=120), shard_stats
 
 
 def test_ps_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
     market = spot_cluster
     wait_all_free()
-    calm, _ = run(make(tmp_path, "calm"))
+    calm = run(make(tmp_path, "calm"))[0].summary
     assert calm["state"] == "finished"
     wait_all_free()
-    steps: list[int] = []
     log: list[str] = []
 
-    t = notice_then_remove(market, steps, log, notice_at=3, remove_at=6)
-    summary, stats = run(make(tmp_path, "chaos"), slow=1.0, on_step=steps.append)
-    t.join(timeout=120)
+    chaos, stats = run(make(tmp_path, "chaos"), slow=1.0, during=notice_then_remove(market, log, notice_at=3, remove_at=6))
+    summary, events, steps = chaos.summary, chaos.events, chaos.steps
     assert len(log) == 2 and summary["state"] == "finished", (log, summary)
-    events = read_jsonl(tmp_path / "chaos" / "events.jsonl")
     assert any(e["event"] == "NodeLeaving" for e in events)
     # No clock applied twice or skipped: sync applies each clock once per shard.
     assert [s["updates"] for s in stats] == [STEPS * CLOCKS] * 2, stats

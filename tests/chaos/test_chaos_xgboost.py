@@ -4,15 +4,12 @@ of rounds and is checkpointed, so a loss costs at most the chunk in flight."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from raylane.cluster import ClusterView
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload
-from raylane.runlog import read_jsonl
 
+from harness import drive  # tests/harness.py
 from market_helpers import notice_then_remove, wait_all_free  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
@@ -35,22 +32,12 @@ def test_xgboost_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
     wait_all_free()
     conf = make(tmp_path, "chaos")
     workload = XGBoostWorkload(conf)
-    steps: list[int] = []
-    original = workload.step
-
-    def step(i: int):
-        steps.append(i)
-        time.sleep(1.5)  # chunks as long as on real data, so the schedule lands between and inside them
-        return original(i)
-
-    workload.step = step
     log: list[str] = []
 
-    t = notice_then_remove(market, steps, log, notice_at=2, remove_at=4)
-    summary = Driver(workload, conf.driver).run()
-    t.join(timeout=120)
+    # pace_s: chunks as long as on real data, so the schedule lands between and inside them
+    run = drive(workload, conf.driver, pace_s=1.5, during=notice_then_remove(market, log, notice_at=2, remove_at=4), join_s=120)
+    summary, events = run.summary, run.events
     assert len(log) == 2 and summary["state"] == "finished", (log, summary)
-    events = read_jsonl(tmp_path / "chaos" / "events.jsonl")
     assert any(e["event"] == "NodeLeaving" for e in events)  # the notice was seen as such
     assert summary["failures_recovered"] >= 1
     final = summary["final_metrics"]

@@ -3,15 +3,12 @@ spot nodes; a spot node with samplers on it is removed without notice mid-epoch.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
 from raylane import config as cfg
-from raylane.driver import Driver
 from raylane.jobs.graphsage import GraphSAGEConfig, GraphSAGEWorkload
-from raylane.runlog import read_jsonl
+
+from harness import drive  # tests/harness.py
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
@@ -22,28 +19,21 @@ def test_graphsage_finishes_every_epoch_exactly_once_through_a_spot_node_loss(sp
         "prefetch=4", "driver.progress=false", "driver.tensorboard=false", f"driver.runs_dir={tmp_path}", "driver.run_name=gnn-spot",
     ])
     workload = GraphSAGEWorkload(conf)
-    steps: list[int] = []
-    original = workload.step
-    workload.step = lambda i: (steps.append(i), original(i))[1]
     removed = {}
 
-    def chaos():
-        while len(steps) < 9:  # mid-epoch 1
-            time.sleep(0.01)
+    def chaos(steps):
+        steps.wait(9, poll_s=0.01)  # mid-epoch 1
         status = workload.samplers.status()
         nodes, removed["markets"] = status.nodes, status.markets
         victim = next(n for n in spot_cluster.nodes.values() if n.node_id in nodes)
         removed["name"], removed["at_step"] = victim.name, steps[-1]
         spot_cluster.remove(victim)  # no notice
 
-    t = threading.Thread(target=chaos, daemon=True)
-    t.start()
-    summary = Driver(workload, conf.driver).run()
-    t.join(timeout=60)
+    run = drive(workload, conf.driver, during=chaos, join_s=60)
+    summary, events, steps = run.summary, run.events, run.steps
     assert "name" in removed and summary["state"] == "finished", summary
     assert summary["failures_recovered"] == 0  # samplers are stateless: nothing to restore
     assert summary["final_metrics"]["test_acc"] >= 0.85
-    events = read_jsonl(tmp_path / "gnn-spot" / "events.jsonl")
     plan = next(e for e in events if e["event"] == "plan")["assignments"]
     assert [a["market"] for a in plan if a["role"] == "gnn_trainer"] == ["on-demand"]
     assert removed["markets"] == {"spot": 2}  # samplers prefer spot capacity

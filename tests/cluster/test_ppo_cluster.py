@@ -3,14 +3,13 @@ on spot nodes; a spot node is lost mid-run and comes back."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
-from raylane.driver import Driver, DriverConfig
+from raylane.driver import DriverConfig
 from raylane.jobs.ppo import PPOConfig, PPOWorkload
 from raylane.runlog import read_jsonl
+
+from harness import drive  # tests/harness.py
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
@@ -21,30 +20,21 @@ def test_ppo_reaches_the_target_through_a_spot_loss_and_the_pool_regrows(spot_cl
     conf = PPOConfig(workers=2, worker_cpus=2.0, total_env_steps=250_000)
     conf.driver = DriverConfig(run_name="ppo-spot", runs_dir=str(tmp_path), max_steps=100_000, progress=False, tensorboard=False)
     workload = PPOWorkload(conf)
-    iterations: list[int] = []
-    original = workload.step
-    workload.step = lambda i: (iterations.append(i), original(i))[1]
     removed = {}
 
-    def chaos():
-        while len(iterations) < 15:
-            time.sleep(0.05)
+    def chaos(iterations):
+        iterations.wait(15, poll_s=0.05)
         nodes = workload.workers.status().nodes
         victim = next(n for n in spot_cluster.nodes.values() if n.node_id in nodes)
         removed["name"] = victim.name
         spot_cluster.remove(victim)  # no notice
-        start = len(iterations)
-        while len(iterations) < start + 15:
-            time.sleep(0.05)
+        iterations.wait(len(iterations) + 15, poll_s=0.05)
         spot_cluster.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
 
-    t = threading.Thread(target=chaos, daemon=True)
-    t.start()
-    summary = Driver(workload, conf.driver).run()
-    t.join(timeout=60)
+    run = drive(workload, conf.driver, during=chaos, join_s=60)
+    summary, events = run.summary, run.events
     assert summary["state"] == "finished", summary
     assert summary["final_metrics"]["return_mean"] >= 475.0
-    events = read_jsonl(tmp_path / "ppo-spot" / "events.jsonl")
     plan = next(e for e in events if e["event"] == "plan")["assignments"]
     assert [a["market"] for a in plan if a["role"] == "learner"] == ["on-demand"]
     assert {a["market"] for a in plan if a["role"] == "rollout_worker"} == {"spot"}

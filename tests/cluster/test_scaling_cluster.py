@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 import traceback
 
 import pytest
 
 from raylane import raystate
-from raylane.driver import Driver, DriverConfig
+from raylane.driver import DriverConfig
 from raylane.jobs.ppo import PPOConfig, PPOWorkload
 from raylane.runlog import read_jsonl
+
+from harness import drive  # tests/harness.py
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(500)]
 
@@ -31,18 +31,12 @@ def test_ppo_pool_scaled_from_the_command_line_while_it_trains(spot_cluster, tmp
     conf = PPOConfig(workers=2, worker_cpus=1.0, max_workers=16, total_env_steps=400_000)
     conf.driver = DriverConfig(run_name=RUN, runs_dir=str(tmp_path), max_steps=100_000, progress=False, tensorboard=False)
     workload = PPOWorkload(conf)
-    steps: list[int] = []
-    original_step, original_done = workload.step, workload.done
-    workload.step = lambda i: (steps.append(i), original_step(i))[1]
-    finished = threading.Event()
-    workload.done = lambda i, m: original_done(i, m) and finished.is_set()  # hold the run until the session is over
     seen: dict[str, object] = {}
     addr = spot_cluster.address
 
-    def session():
+    def session(steps):
         try:
-            while len(steps) < 3:
-                time.sleep(0.1)
+            steps.wait(3, poll_s=0.1)
             seen["pools0"] = cli(addr, "pools", RUN, "--json")
             seen["up"] = cli(addr, "scale", RUN, "rollout_worker", "4")
             seen["pools4"] = cli(addr, "pools", RUN, "--json")
@@ -59,13 +53,9 @@ def test_ppo_pool_scaled_from_the_command_line_while_it_trains(spot_cluster, tmp
             seen["steps_at_end"] = len(steps)
         except BaseException:  # noqa: BLE001 - reported by the assertion below
             seen["error"] = traceback.format_exc()
-        finally:
-            finished.set()
 
-    t = threading.Thread(target=session, daemon=True)
-    t.start()
-    summary = Driver(workload, conf.driver).run()
-    t.join(timeout=60)
+    run = drive(workload, conf.driver, during=session, hold=True, join_s=60)  # hold the run until the session is over
+    summary, events = run.summary, run.events
     assert "error" not in seen, seen["error"]
     for key in ("pools0", "up", "pools4", "table", "down", "pools1"):
         assert seen[key].returncode == 0, (key, seen[key].stdout, seen[key].stderr)
@@ -96,6 +86,5 @@ def test_ppo_pool_scaled_from_the_command_line_while_it_trains(spot_cluster, tmp
     workers = [r["workers"] for r in rows]
     assert 2 in workers and 4 in workers and workers[-1] == 1, workers
     assert summary["final_metrics"]["return_mean"] >= 475.0  # as good as an unscaled run
-    events = read_jsonl(tmp_path / RUN / "events.jsonl")
     scales = [(e["target"], e["reason"]) for e in events if e["event"] == "scale" and e["role"] == "rollout_worker"]
     assert (4, "raylane scale") in scales and (16, "raylane scale") in scales and scales[-1][0] in (1,), scales

@@ -16,13 +16,14 @@ import ray
 from raylane import raystate
 from raylane.actors.grad_worker import rows
 from raylane.cluster import ClusterView
-from raylane.driver import Driver, DriverConfig
+from raylane.driver import DriverConfig
 from raylane.jobs.linreg import LinRegConfig, LinRegWorkload
 from raylane.placement import RoleSpec, plan
 from raylane.ray_options import ray_options
 from raylane.pool import ActorPool
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 
+from harness import drive  # tests/harness.py
 from market_helpers import wait_all_free, by_name  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -162,28 +163,22 @@ def test_driver_finishes_through_spot_preemptions_with_exact_result(spot_cluster
     conf = LinRegConfig(rows=200_000, workers=4, max_workers=6, lr=0.05)
     conf.driver = DriverConfig(run_name="spot", runs_dir=str(tmp_path), max_steps=80, checkpoint_every_steps=10, progress=False, tensorboard=False)
     workload = LinRegWorkload(conf)
-    steps_seen: list[int] = []
-    original_step = workload.step
 
     # The run is held at three steps until the market has done its part, so every event is
     # seen between the steps it is meant to fall between, however fast or slow the steps are.
     drained, slow_gone, node_back = threading.Event(), threading.Event(), threading.Event()
 
-    def step(i):
-        steps_seen.append(i)
-        if i == 12:  # the notice is out: the driver sees it after this step, inside the notice
-            assert drained.wait(timeout=60)
-        if i == 40:  # spot-slow is gone and Ray knows it: its workers die during this step
-            assert slow_gone.wait(timeout=90)
-        if i == 58:  # capacity is back, so the regrowth is observed
-            assert node_back.wait(timeout=90)
-        return original_step(i)
+    def held(event: threading.Event, timeout_s: float):
+        def hold():
+            assert event.wait(timeout=timeout_s)
+        return hold
 
-    workload.step = step
+    at = {12: held(drained, 60),  # the notice is out: the driver sees it after this step, inside the notice
+          40: held(slow_gone, 90),  # spot-slow is gone and Ray knows it: its workers die during this step
+          58: held(node_back, 90)}  # capacity is back, so the regrowth is observed
 
-    def chaos():
-        while len(steps_seen) < 12:
-            time.sleep(0.05)
+    def chaos(steps_seen):
+        steps_seen.wait(12, poll_s=0.05)
         fast = by_name(spot_cluster, "spot-fast")
         notice = threading.Thread(target=spot_cluster.preempt, args=(fast,), kwargs={"notice_s": 5.0}, daemon=True)  # with notice
         notice.start()
@@ -192,24 +187,19 @@ def test_driver_finishes_through_spot_preemptions_with_exact_result(spot_cluster
             time.sleep(0.05)
         drained.set()
         notice.join(timeout=60)
-        while len(steps_seen) < 41:
-            time.sleep(0.05)
+        steps_seen.wait(41, poll_s=0.05)
         spot_cluster.remove(by_name(spot_cluster, "spot-slow"))  # without notice
         slow_gone.set()
-        while len(steps_seen) < 59:
-            time.sleep(0.05)
+        steps_seen.wait(59, poll_s=0.05)
         spot_cluster.add_node("spot", speed=2.0, cpus=2, name="spot-fast")  # capacity comes back
         node_back.set()
 
-    t = threading.Thread(target=chaos, daemon=True)
-    t.start()
-    summary = Driver(workload, conf.driver).run()
-    t.join(timeout=60)
+    run = drive(workload, conf.driver, at=at, during=chaos, join_s=60)
+    summary, events, steps_seen = run.summary, run.events, run.steps
     assert summary["state"] == "finished" and summary["steps"] == 80
     assert steps_seen == list(range(80))  # no step was repeated or skipped: the pool absorbed both losses
     _, state = __import__("raylane.checkpoint", fromlist=["CheckpointStore"]).CheckpointStore(str(tmp_path / "spot" / "checkpoints")).load()
     assert np.array_equal(state["workload"]["w"], reference_weights(conf, 80))
-    events = [json.loads(l) for l in (tmp_path / "spot" / "events.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]
     assert "NodeLeaving" in kinds and kinds.count("NodeLost") >= 2
     # With both spot nodes gone only the head's 2 CPUs remain: the pool shrank to 2 instead of waiting.

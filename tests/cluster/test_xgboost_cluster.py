@@ -10,16 +10,14 @@ the placement a user would get.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from raylane.cluster import ClusterView
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import ROLE, DataConfig, XGBoostJobConfig, XGBoostWorkload
 from raylane.placement import plan
-from raylane.runlog import read_jsonl
 
+from harness import drive  # tests/harness.py
 from market_helpers import wait_all_free, by_name  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -50,19 +48,15 @@ def test_spot_trainers_shard_by_speed_and_survive_a_node_removed_mid_chunk(spot_
     wait_all_free()
     conf = make(tmp_path, "removed", prefer_spot=True)
     workload = XGBoostWorkload(conf)
-    original = workload.step
     removed = []
 
-    def step(i: int):
-        if i == 1 and not removed:
-            # The group streams rounds 11-20 while the driver checkpoints round 10.
-            removed.append(workload.members[0]["node"])
-            spot_cluster.remove(fast)  # without notice; returns once Ray marks the node dead
-        return original(i)
+    def remove_fast():
+        # The group streams rounds 11-20 while the driver checkpoints round 10.
+        removed.append(workload.members[0]["node"])
+        spot_cluster.remove(fast)  # without notice; returns once Ray marks the node dead
 
-    workload.step = step
-    summary = Driver(workload, conf.driver).run()  # the fixture adds spot-fast back for the next test
-    events = read_jsonl(tmp_path / "removed" / "events.jsonl")
+    run = drive(workload, conf.driver, at={1: remove_fast})  # the fixture adds spot-fast back for the next test
+    summary, events = run.summary, run.events
     shards = next(e for e in events if e["event"] == "xgboost_shards")
     # Shard 0 (two thirds of the rows) went to the speed-2 node, shard 1 to the speed-1 node.
     assert shards["shards"] == [[0, 100_000], [100_000, 150_000]] and shards["speeds"] == [2.0, 1.0]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 
 import pytest
 
@@ -14,6 +12,8 @@ from raylane import config as cfg
 from raylane.driver import Driver
 from raylane.jobs.graphsage import GraphSAGEConfig, GraphSAGEWorkload
 from raylane.runlog import read_jsonl
+
+from harness import drive  # tests/harness.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -57,21 +57,15 @@ def test_fault_free_run_learns_and_visits_every_seed_once_per_epoch(reference, t
 
 def test_a_sampler_killed_mid_epoch_is_replaced_and_the_epoch_completes(reference, tmp_path):
     workload, driver = make(tmp_path, "samplerkill")
-    original = workload.step
     killed: list[int] = []
     seen = []
 
-    def step(i: int):
-        if i == 8:
-            seen.append(workload.samplers.status())
-        if i == 4 and not killed:  # step 4 is mid-epoch 1; both samplers are busy prefetching
-            pid = workload.samplers.call_all("info", timeout_s=30)[0]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        return original(i)
+    def kill_a_sampler():  # step 4 is mid-epoch 1; both samplers are busy prefetching
+        pid = workload.samplers.call_all("info", timeout_s=30)[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
 
-    workload.step = step
-    summary = driver.run()
+    summary = drive(workload, driver, at={4: kill_a_sampler, 8: lambda: seen.append(workload.samplers.status())}).summary
     assert killed and summary["state"] == "finished" and summary["failures_recovered"] == 0, summary
     assert [e.reason for e in seen[0].evictions] == ["died during 'batch': ActorDiedError"], seen  # lost mid-call, not idle
     assert seen[0].target == 2 and seen[0].live + seen[0].starting == 2  # a replacement is on its way or serving
@@ -83,22 +77,15 @@ def test_a_sampler_killed_mid_epoch_is_replaced_and_the_epoch_completes(referenc
 
 def test_a_killed_trainer_resumes_from_the_last_checkpoint(reference, tmp_path):
     workload, driver = make(tmp_path, "trainerkill", "driver.checkpoint_every_steps=2")
-    steps: list[int] = []
-    original = workload.step
-    workload.step = lambda i: (steps.append(i), original(i))[1]
 
-    def kill():
-        while len(steps) < 6:
-            time.sleep(0.005)
+    def kill(steps):
+        steps.wait(6, poll_s=0.005)
         pid = workload.trainer.call_all("info", timeout_s=30)[0]["pid"]
         os.kill(pid, signal.SIGKILL)
 
-    t = threading.Thread(target=kill, daemon=True)
-    t.start()
-    summary = driver.run()
-    t.join(timeout=30)
+    run = drive(workload, driver, during=kill, join_s=30)
+    summary, events, steps = run.summary, run.events, run.steps
     assert summary["state"] == "finished" and summary["failures_recovered"] == 1, summary
-    events = read_jsonl(tmp_path / "trainerkill" / "events.jsonl")
     failure = next(e for e in events if e["event"] == "failure")
     ckpts = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
     i = steps.index(failure["step"])

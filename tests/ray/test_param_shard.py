@@ -18,9 +18,11 @@ from raylane.actors import ctr
 from raylane.actors.param_shard import ParamShard, ShardConfig
 from raylane.actors.ps_layout import dense_slices, init_rows
 from raylane.actors.ps_worker import PSWorker, WorkerConfig
-from raylane.driver import Driver, DriverConfig, NonFiniteError
+from raylane.driver import DriverConfig, NonFiniteError
 from raylane.jobs.ps_ctr import SHARDS, WORKERS, PSCTRConfig, PSCTRWorkload
 from raylane.runlog import read_jsonl
+
+from harness import drive  # tests/harness.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -132,24 +134,20 @@ def run(conf: PSCTRConfig, kill: str | None = None, at: int = KILL_AT) -> tuple[
     """The run's summary, every shard's final state and its clock log. ``kill`` (a role)
     loses actor 1 of that role a moment into step ``at``, while the clocks are running."""
     workload = PSCTRWorkload(conf)
-    original_step, original_close = workload.step, workload.close
     final: dict = {}
 
-    def step(i):
-        if kill and i == at and not final.get("killed"):
-            victim = (workload.shards if kill == SHARDS else workload.workers)[1]
-            final["killed"] = True
-            threading.Timer(0.2, lambda: ray.kill(victim, no_restart=True)).start()
-        return original_step(i)
+    def kill_soon():
+        victim = (workload.shards if kill == SHARDS else workload.workers)[1]
+        final["killed"] = True
+        threading.Timer(0.2, lambda: ray.kill(victim, no_restart=True)).start()
 
-    def close():
+    def keep_state():
         if workload.shards:
             final["shards"] = workload.state_dict()["shards"]
             final["logs"] = [entry for i in sorted(workload.shards) for entry in ray.get(workload.shards[i].clock_log.remote(), timeout=60)]
-        original_close()
 
-    workload.step, workload.close = step, close
-    return Driver(workload, conf.driver).run(), final["shards"], final["logs"]
+    summary = drive(workload, conf.driver, at={at: kill_soon} if kill else None, before_close=keep_state).summary
+    return summary, final["shards"], final["logs"]
 
 
 def by_id(state: dict) -> dict:

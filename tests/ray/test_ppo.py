@@ -6,7 +6,6 @@ import json
 import math
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -16,6 +15,8 @@ from raylane.checkpoint import CheckpointStore
 from raylane.driver import Driver, DriverConfig, NonFiniteError
 from raylane.jobs.ppo import PPOConfig, PPOWorkload
 from raylane.runlog import read_jsonl
+
+from harness import drive  # tests/harness.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -55,21 +56,14 @@ def test_pendulum_trains_and_its_return_improves(ray_local, tmp_path):
 
 def test_a_rollout_worker_killed_mid_iteration_costs_only_its_samples(ray_local, tmp_path):
     workload, driver = make(tmp_path, "workerkill", rollout_steps=800, total_env_steps=300_000, target_return=None, sample_timeout_s=60)
-    steps = []
-    original = workload.step
-    workload.step = lambda i: (steps.append(time.monotonic()), original(i))[1]
 
-    def kill():
-        while len(steps) < 4:
-            time.sleep(0.02)
+    def kill(steps):
+        steps.wait(4)
         time.sleep(0.15)  # inside iteration 4's sampling
         pid = workload.workers.call_all("info", timeout_s=30)[0]["pid"]
         os.kill(pid, signal.SIGKILL)
 
-    t = threading.Thread(target=kill, daemon=True)
-    t.start()
-    summary = driver.run()
-    t.join(timeout=30)
+    summary = drive(workload, driver, during=kill, join_s=30).summary
     assert summary["state"] == "finished" and summary["failures_recovered"] == 0
     rows = read_jsonl(tmp_path / "workerkill" / "metrics.jsonl")
     workers = [r["workers"] for r in rows]
@@ -114,22 +108,15 @@ def test_every_rollout_worker_killed_mid_iteration_is_sampled_again_without_a_ro
 
 def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_local, tmp_path):
     workload, driver = make(tmp_path, "learnerkill", total_env_steps=40_000, target_return=None, driver={"checkpoint_every_steps": 5})
-    steps = []
-    original = workload.step
-    workload.step = lambda i: (steps.append(i), original(i))[1]
 
-    def kill():
-        while len(steps) < 13:
-            time.sleep(0.01)
+    def kill(steps):
+        steps.wait(13, poll_s=0.01)
         pid = workload.learner.call_all("info", timeout_s=30)[0]["pid"]
         os.kill(pid, signal.SIGKILL)
 
-    t = threading.Thread(target=kill, daemon=True)
-    t.start()
-    summary = driver.run()
-    t.join(timeout=30)
+    run = drive(workload, driver, during=kill, join_s=30)
+    summary, events, steps = run.summary, run.events, run.steps
     assert summary["state"] == "finished" and summary["failures_recovered"] == 1
-    events = read_jsonl(tmp_path / "learnerkill" / "events.jsonl")
     failure = next(e for e in events if e["event"] == "failure")
     ckpts_before = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
     resumed = next(e for e in events[events.index(failure):] if e["event"] == "state" and e["state"] == "running")

@@ -21,6 +21,8 @@ from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload, prepare
 from raylane.runlog import read_jsonl
 
+from harness import drive  # tests/harness.py
+
 # Generous: the collective synchronises every tree level, so on 2 cores shared with other
 # test runs a chunk can take 20x longer than on a quiet machine.
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -153,21 +155,17 @@ def test_trainer_killed_mid_chunk_regroups_and_matches_fault_free_run(ray_local,
     wait_cpus_free()
     conf = make(tmp_path, "killed", data=FAULT_DATA, num_boost_round=FAULT_ROUNDS, params={"eval_metric": ["logloss"]})
     workload = XGBoostWorkload(conf)
-    original = workload.step
     killed: list[dict] = []
 
-    def step(i: int):
-        if i == 1 and not killed:
-            # The group streams chunk 2 (rounds 11-20) while the driver checkpoints chunk 1.
-            killed.append(workload.members[1])
-            os.kill(workload.members[1]["pid"], signal.SIGKILL)
-        return original(i)
+    def kill():
+        # The group streams chunk 2 (rounds 11-20) while the driver checkpoints chunk 1.
+        killed.append(workload.members[1])
+        os.kill(workload.members[1]["pid"], signal.SIGKILL)
 
-    workload.step = step
-    summary = Driver(workload, conf.driver).run()
+    run = drive(workload, conf.driver, at={1: kill})
+    summary, events = run.summary, run.events
     assert killed and summary["state"] == "finished", summary
     assert summary["failures_recovered"] == 1
-    events = read_jsonl(tmp_path / "killed" / "events.jsonl")
     failure = next(e for e in events if e["event"] == "failure")
     assert "shard 1: trainer lost" in failure["error"] and failure["decision"] == "recover"
     resumes = [e["round"] for e in events if e["event"] == "xgboost_resume"]
@@ -219,20 +217,17 @@ def test_frozen_trainer_cannot_hang_the_group(ray_local, tmp_path):
     wait_cpus_free()
     conf = make(tmp_path, "frozen", data=FAULT_DATA, num_boost_round=20, collective_timeout_s=6, params={"eval_metric": ["logloss"]})
     workload = XGBoostWorkload(conf)
-    original = workload.step
     frozen: list[int] = []
 
-    def step(i: int):
-        if i == 1 and not frozen:
-            frozen.append(workload.members[1]["pid"])
-            os.kill(frozen[0], signal.SIGSTOP)
-        return original(i)
+    def freeze():
+        frozen.append(workload.members[1]["pid"])
+        os.kill(frozen[0], signal.SIGSTOP)
 
-    workload.step = step
     t0 = time.monotonic()
-    summary = Driver(workload, conf.driver).run()
+    run = drive(workload, conf.driver, at={1: freeze})
+    summary = run.summary
     assert frozen and summary["state"] == "finished" and summary["failures_recovered"] == 1, summary
-    failure = next(e for e in read_jsonl(tmp_path / "frozen" / "events.jsonl") if e["event"] == "failure")
+    failure = next(e for e in run.events if e["event"] == "failure")
     assert "shard 0: " in failure["error"] and "timeout" in failure["error"].lower()
     assert "shard 1: still in the collective 11 s after the first failure, killed" in failure["error"]
     assert time.monotonic() - t0 < 300

@@ -1,0 +1,155 @@
+"""Running a workload under the real Driver with faults injected at chosen steps.
+
+Tests import it by name (tests/ is on sys.path through tests/conftest.py)::
+
+    from harness import drive  # tests/harness.py
+
+    run = drive(workload, conf.driver, at={4: kill_a_sampler})
+    run = drive(workload, conf.driver, during=lambda steps: (steps.wait(6), kill_the_trainer()))
+    assert run.summary["state"] == "finished"
+    failure = next(e for e in run.events if e["event"] == "failure")
+
+The Driver always runs in the calling thread: it installs its signal handlers there, and a
+test that sends the process a signal needs that thread to be the main one. Actions run
+either inside ``workload.step`` (``at``: synchronous, exactly before a given step) or in a
+background thread (``during``: a schedule that follows the step count).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from raylane.driver import Driver, DriverConfig
+from raylane.runlog import read_jsonl
+
+
+class RunOver(Exception):
+    """Raised in a ``during`` schedule that waits for a step the run never reached."""
+
+
+class Steps(list):
+    """The step indices the workload was asked to run, in call order, replays after a
+    recovery included; an index is appended as its call begins (before any action)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run_over = threading.Event()  # the driver has returned (or raised)
+        self.schedule_over = threading.Event()  # ``during`` has returned (or raised)
+
+    def wait(self, n: int, poll_s: float = 0.02) -> None:
+        """Block until ``n`` step calls have begun; RunOver if the run ends first."""
+        while len(self) < n:
+            if self.run_over.is_set():
+                raise RunOver(f"the run ended after {len(self)} step calls; the schedule waited for {n}")
+            time.sleep(poll_s)
+
+
+@dataclass
+class Driven:
+    """What :func:`drive` returns."""
+
+    summary: dict[str, Any]
+    run_dir: Path
+    steps: Steps
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+
+def drive(
+    workload: Any,
+    driver: DriverConfig | Driver,
+    *,
+    at: dict[int, Callable[[], Any]] | None = None,
+    during: Callable[[Steps], Any] | None = None,
+    pace_s: float = 0.0,
+    hold: bool = False,
+    before_close: Callable[[], Any] | None = None,
+    join_s: float = 120.0,
+    steps: Steps | None = None,
+) -> Driven:
+    """Run ``workload`` to its end under the Driver, in the calling thread, and return its
+    summary, step log and ``events.jsonl``.
+
+    ``driver`` is a DriverConfig (a Driver is made for it) or a Driver already made for
+    ``workload``.
+
+    ``at``: ``{i: fn}``: ``fn()`` is called inside ``workload.step``, once, as step ``i`` is
+    called for the first time, just before the workload's own step runs.
+
+    ``during``: ``fn(steps)`` runs in a daemon thread started before the driver, with the
+    :class:`Steps` log (``steps.wait(n)`` blocks until ``n`` step calls have begun). It is
+    joined after the run (at most ``join_s``); whatever it raised is raised here, after the
+    run, a wait for a step the run never reached included (RunOver).
+
+    ``pace_s``: every step call sleeps this long first (after it is logged and its ``at``
+    action ran), so a schedule lands between and inside steps as it would on real data.
+
+    ``hold``: the workload's ``done`` is False until ``during`` is over, so the run lasts
+    through the whole schedule.
+
+    ``before_close``: called just before the workload's ``close`` (its actors still up).
+
+    ``steps``: the :class:`Steps` log to fill, for a test whose own step wrapper (installed
+    before this call, so it runs after the index is logged) needs it, e.g. its
+    ``schedule_over`` event; a new one by default.
+    """
+    if hold and during is None:
+        raise ValueError("hold=True needs a during schedule to wait for")
+    steps = Steps() if steps is None else steps
+    pending = dict(at or {})
+    original_step, original_done, original_close = workload.step, workload.done, workload.close
+
+    def step(i: int):
+        steps.append(i)
+        action = pending.pop(i, None)
+        if action is not None:
+            action()
+        if pace_s:
+            time.sleep(pace_s)
+        return original_step(i)
+
+    workload.step = step
+    if hold:
+        workload.done = lambda i, m: original_done(i, m) and steps.schedule_over.is_set()
+    if before_close is not None:
+
+        def close():
+            before_close()
+            original_close()
+
+        workload.close = close
+
+    d = driver if isinstance(driver, Driver) else Driver(workload, driver)
+    errors: list[BaseException] = []
+    thread = None
+    if during is not None:
+
+        def play() -> None:
+            try:
+                during(steps)
+            except BaseException as e:  # noqa: BLE001 - raised in the calling thread after the run
+                errors.append(e)
+            finally:
+                steps.schedule_over.set()
+
+        thread = threading.Thread(target=play, name="drive-schedule", daemon=True)
+        thread.start()
+
+    try:
+        summary = d.run()
+    finally:
+        steps.run_over.set()
+        if thread is not None:
+            thread.join(timeout=join_s)
+    if thread is not None and thread.is_alive():
+        raise AssertionError(f"the during schedule was still running {join_s} s after the run ended ({summary.get('state')})")
+    if errors:
+        raise AssertionError(f"the during schedule failed (run {summary.get('state')} after {len(steps)} step calls)") from errors[0]
+    return Driven(summary=summary, run_dir=d.run_dir, steps=steps, events=read_jsonl(d.run_dir / "events.jsonl"))
