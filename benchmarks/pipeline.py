@@ -38,10 +38,10 @@ import numpy as np
 import ray
 import torch
 
-from raylane import schedules as S
 from raylane.actors import corpus, gpt
+from raylane.actors import pipeline_schedules as S
+from raylane.actors.pipeline_split import split_virtual
 from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, measured_bubble, pieces_for, train_batch
-from raylane.layer_split import split_virtual
 
 # ---------------------------------------------------------------- part 1: bubbles
 

@@ -35,13 +35,13 @@ import ray
 import torch
 
 from raylane import config as cfg
-from raylane import schedules as S
 from raylane.actors import corpus, gpt
+from raylane.actors import pipeline_schedules as S
+from raylane.actors.pipeline_split import split_virtual, stage_loads
 from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, measured_bubble, pieces_for, train_batch
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
 from raylane.launch import job_main
-from raylane.layer_split import split_virtual, stage_loads
 from raylane.placement import RoleSpec
 from raylane.preemption import NodeLeaving
 from raylane.pool import ActorPool, CallTimeoutError, PoolError
@@ -203,7 +203,6 @@ class PipelineLMWorkload(BaseWorkload):
         self.pool: ActorPool | None = None
         self.ctx: Context | None = None
         self.layout: Layout | None = None
-        self.loaded = False  # the layout's stages hold the current layers
         self._kept: dict[str, Any] | None = None  # layer states read for a hand-off that failed, until reloaded
         self.last_loss = float("nan")
 
@@ -245,7 +244,7 @@ class PipelineLMWorkload(BaseWorkload):
         ray.get(loads, timeout=c.start_timeout_s)
         if c.dispatch == "linked":
             connect_linked(layout.pipelines, c.transport, c.step_timeout_s)
-        self.layout, self.loaded = layout, True
+        self.layout = layout
         self.ctx.log.event(
             "pipeline_layout", stages=layout.sched.p, replicas=len(layout.pipelines), schedule=layout.sched.name, chunks=layout.sched.v,
             pieces=[{str(j): ids for j, ids in piece.items()} for piece in layout.pieces], speeds=list(layout.speeds),
@@ -316,7 +315,7 @@ class PipelineLMWorkload(BaseWorkload):
         try:
             self._relayout(states=states)
         except Exception as exc:  # noqa: BLE001 - keep the gathered state: it is checkpointed now and reloaded on recovery
-            self.layout, self.loaded, self._kept = None, False, states
+            self.layout, self._kept = None, states
             self.ctx.log.event("pipeline_handoff", node=event.node_id, done=False, reason=f"{type(exc).__name__}: {exc}"[:300])
             return True
         self.ctx.log.event("pipeline_handoff", node=event.node_id, done=True, stages_before=before, stages=self.layout.sched.p,
@@ -379,7 +378,7 @@ class PipelineLMWorkload(BaseWorkload):
             ctx.log.event("pipeline_shrink", live=len(self.pool.actors()), reason=str(exc)[:300])
         if len(self.pool.actors()) < c.replicas:
             self.pool.wait_for(c.replicas, timeout_s=c.start_timeout_s)
-        self.layout, self.loaded = None, False
+        self.layout = None
 
     def close(self) -> None:
         if self.pool is not None:

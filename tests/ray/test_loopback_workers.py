@@ -20,12 +20,12 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
-from raylane import schedules as S
+from raylane.actors import pipeline_schedules as S
 from raylane.actors import gpt
 from raylane.actors.pipeline_stage import LinkedStage, StageConfig, connect_linked, pieces_for, train_batch
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload
-from raylane.layer_split import split_virtual
+from raylane.actors.pipeline_split import split_virtual
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

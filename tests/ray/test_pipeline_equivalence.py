@@ -7,10 +7,10 @@ import pytest
 import ray
 import torch
 
-from raylane import schedules as S
+from raylane.actors import pipeline_schedules as S
 from raylane.actors import gpt
 from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, pieces_for, train_batch
-from raylane.layer_split import split_virtual
+from raylane.actors.pipeline_split import split_virtual
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

@@ -1,4 +1,4 @@
-"""raylane.layer_split: contiguous layer pieces by cost and speed, without Ray."""
+"""raylane.actors.pipeline_split: contiguous layer pieces by cost and speed, without Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from raylane.layer_split import split_layers, split_virtual, stage_loads
+from raylane.actors.pipeline_split import split_layers, split_virtual, stage_loads
 from raylane.placement import split_by_speed
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -1,4 +1,4 @@
-"""raylane.schedules: every schedule's order, completeness, memory and bubble, without Ray."""
+"""raylane.actors.pipeline_schedules: every schedule's order, completeness, memory and bubble, without Ray."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from raylane import schedules as S
+from raylane.actors import pipeline_schedules as S
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
