@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -24,12 +23,7 @@ ADDRESS = ("Ray address of the cluster the job runs on (default: auto, the clust
 def _connect(address: Optional[str], run: str, cap_s: Optional[float] = None) -> None:
     """Join the cluster within RAYLANE_CONNECT_TIMEOUT (or ``cap_s``, when shorter); a failure
     is one line on stderr and exit code 2."""
-    # A client sends Ray's token only when told the cluster wants one, and Ray reads that
-    # when it is imported; raylane keeps token authentication on, so say so (before
-    # `import ray`) whenever a token is at hand.
-    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-                                              or (Path.home() / ".ray" / "auth_token").exists()):
-        os.environ["RAY_AUTH_MODE"] = "token"
+    # the token at hand is sent even without RAY_AUTH_MODE=token: raylane.raystate.prefer_token_auth
     from raylane import session
     from raylane.control import local_address
 

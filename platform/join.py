@@ -149,6 +149,9 @@ def join(address: str, kwargs: dict, timeout_s: float) -> None:
                            f"connect attempts, last: {last_error}); {_CHECK}. A slow start? Raise {CONNECT_TIMEOUT_ENV} "
                            f"(seconds, now {timeout_s:g}).")
     loopback_only = answered != pairs[0]  # an embedded Ray on this machine: join it on loopback, as it was started
+    from raylane import raystate
+
+    raystate.prefer_token_auth()
     target = f"{answered[0]}:{answered[1]}" if loopback_only else address
     outcome: dict = {}
 

@@ -191,3 +191,16 @@ def drain_node(node_id: str, deadline_s: float | None, reason: str = "preemption
 
 def drain_record(node_id: str) -> dict | None:
     return kv_get(f"drain:{node_id}")
+
+
+def prefer_token_auth() -> bool:
+    """Before joining a cluster: with ``RAY_AUTH_MODE`` unset and a token at hand (the
+    variable, the file it names, or ``~/.ray/auth_token``), send it. Ray does this by
+    itself only for ``address="auto"``; given an explicit address it joins without the
+    token, and a token cluster then refuses it without saying why. True when token mode is on."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    try:
+        return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+    except Exception:  # noqa: BLE001 - an older Ray without it: the join error names the token instead
+        return False

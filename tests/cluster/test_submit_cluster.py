@@ -86,6 +86,16 @@ def test_up_starts_labelled_nodes_that_raylane_reads(dev):
     assert seen == [("on-demand", 1.0, "label", 0.0, True), ("on-demand", 1.0, "label", 2.0, False), ("spot", 2.0, "label", 2.0, False)]
 
 
+@pytest.mark.timeout(120)
+def test_joining_by_address_sends_the_token_at_hand_without_ray_auth_mode(dev):
+    # Ray sends its token to an explicit address only under RAY_AUTH_MODE=token (it turns that on by
+    # itself for "auto" alone); without it this join used to wait out the deadline, refused.
+    assert "RAY_AUTH_MODE" not in dev.env and "RAY_AUTH_TOKEN_PATH" in dev.env
+    out = dev.run("cluster", "--address", dev.state.gcs_address, "--json", "--no-calibrate", env=dict(dev.env, RAYLANE_CONNECT_TIMEOUT="30"))
+    assert out.returncode == 0, out.stderr
+    assert len([n for n in json.loads(out.stdout)["nodes"] if n["alive"]]) == 3
+
+
 @pytest.mark.timeout(60)
 def test_the_dashboard_and_jobs_api_listen_on_loopback_only(dev):
     import psutil
