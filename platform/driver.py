@@ -294,7 +294,7 @@ class Driver:
             if skipped:
                 runlog.event("resume_none", skipped=len(skipped), reason="no checkpoint of this run loads; starting from step 0")
                 _say(f"run {self.run_name!r} has no checkpoint that loads ({len(skipped)} skipped, see above); starting from step 0")
-                runlog.rewind(0, "no checkpoint loads: the run starts over")
+            runlog.rewind(0, "no checkpoint to resume from: the run starts over")  # rows of an earlier start leave
             # The initial state, so that a failure before the first periodic checkpoint
             # still has something consistent to recover to.
             self._checkpoint(force="initial state")

@@ -170,9 +170,11 @@ def join(address: str, kwargs: dict, timeout_s: float) -> None:
     quiet = _DropMessage("SIGTERM handler is not set")
     logging.getLogger("ray._private.worker").addFilter(quiet)
     worker.start()
-    while worker.is_alive() and time.monotonic() < deadline:  # short joins: signals (Ctrl-C, SIGTERM) still get through
-        worker.join(min(0.2, max(0.0, deadline - time.monotonic())))
-    logging.getLogger("ray._private.worker").removeFilter(quiet)
+    try:
+        while worker.is_alive() and time.monotonic() < deadline:  # short joins: signals (Ctrl-C, SIGTERM) still get through
+            worker.join(min(0.2, max(0.0, deadline - time.monotonic())))
+    finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
     if worker.is_alive():
         raise ConnectError(f"cannot join the Ray cluster at {shown}: the port answers but Ray's handshake did not finish within "
                            f"{timeout_s:g} s; is it a Ray GCS port (not the dashboard's 8265, nor a client server's 10001 "

@@ -516,7 +516,7 @@ class ActorPool:
                 self._warn_placement(str(exc))
                 return
             self._placement_error = None if len(picks) == missing else f"only {len(picks)} of {missing} actors fit now"
-            self._warn_placement(None)
+            self._warn_placement(self._placement_error)
             for opts, node_id, market in picks:
                 key = next(self._keys)
                 args, kwargs = self._args(key)

@@ -54,17 +54,19 @@ class RunLog:
         Returns how many rows were moved."""
         path = self.dir / "metrics.jsonl"
         self._metrics.close()
-        rows = read_jsonl(path)
-        keep = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] <= step]
-        gone = [r for r in rows if isinstance(r.get("step"), int) and r["step"] > step]
-        if gone:
-            with open(self.dir / "metrics.discarded.jsonl", "a") as f:
-                for r in gone:
-                    f.write(json.dumps({**r, "discarded": reason}) + "\n")
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            os.replace(tmp, path)
-        self._metrics = open(path, "a", buffering=1)
+        try:
+            rows = read_jsonl(path)
+            keep = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] <= step]
+            gone = [r for r in rows if isinstance(r.get("step"), int) and r["step"] > step]
+            if gone:
+                with open(self.dir / "metrics.discarded.jsonl", "a") as f:
+                    for r in gone:
+                        f.write(json.dumps({**r, "discarded": reason}) + "\n")
+                tmp = path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+                os.replace(tmp, path)
+        finally:  # whatever happened, later steps still have their file
+            self._metrics = open(path, "a", buffering=1)
         if gone and self._tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 

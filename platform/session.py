@@ -135,17 +135,20 @@ def _remember_embedded() -> None:
     reaper.start(roots)
 
 
-def embedded_ray_gone(helpers: bool = False) -> str | None:
-    """Which of the embedded Ray's GCS and raylet (and, with ``helpers``, its helper
-    processes) is gone, or None while all run (and when this process did not start its Ray)."""
+def _alive(proc) -> bool:
     import psutil
 
-    for kind, proc in _EMBEDDED + (_EMBEDDED_AUX if helpers else []):
-        try:
-            alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            alive = False
-        if not alive:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def embedded_ray_gone(helpers: list | None = None) -> str | None:
+    """Which of the embedded Ray's GCS and raylet (and of ``helpers``, a list of ``(kind,
+    process)``) is gone, or None while all run (and when this process did not start its Ray)."""
+    for kind, proc in _EMBEDDED + (helpers or []):
+        if not _alive(proc):
             return f"the embedded Ray's {kind} (pid {proc.pid}) is gone"
     return None
 
@@ -154,16 +157,24 @@ def watch_embedded(on_gone: Callable[[str], None], every_s: float = 0.5,
                    signalled: Callable[[], bool] = lambda: False) -> Callable[[], None]:
     """Call ``on_gone(reason)`` once, from a daemon thread, when the embedded Ray's GCS or
     raylet dies, or, once ``signalled()`` says this process got a stop signal, when one of
-    Ray's helper processes died too (the signal reached the whole process group, and the
-    raylet is shutting down); returns a function that stops watching. A no-op for a
-    joined cluster."""
+    Ray's helper processes that ran until then died too (the signal reached the whole
+    process group, and the raylet is shutting down); returns a function that stops
+    watching. A no-op for a joined cluster."""
     stop = threading.Event()
     if not _EMBEDDED:
         return stop.set
 
     def loop() -> None:
+        running = list(_EMBEDDED_AUX)  # the helpers alive at the last look taken before any stop signal
         while not stop.wait(every_s):
-            if (why := embedded_ray_gone(helpers=signalled())) is not None:
+            # looked at before asking about the signal, so that a look kept is one from before
+            # it; a helper that died before the signal (a dashboard that failed to start) says nothing
+            alive_now = [(kind, p) for kind, p in _EMBEDDED_AUX if _alive(p)]
+            if signalled():
+                helpers = running
+            else:
+                running, helpers = alive_now, None
+            if (why := embedded_ray_gone(helpers)) is not None:
                 on_gone(why)
                 return
 

@@ -15,7 +15,7 @@ import select
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 NAMES = {signal.SIGTERM: "SIGTERM (the job was stopped)", signal.SIGINT: "SIGINT (Ctrl-C)"}
 
@@ -35,8 +35,7 @@ class SignalTap:
     def __enter__(self) -> "SignalTap":
         if threading.current_thread() is not threading.main_thread():
             return self
-        self._previous = {sig: signal.signal(sig, handler) for sig, handler in self._handlers.items()}
-        r, w = os.pipe()
+        r, w = os.pipe()  # before the handlers: a failure here leaves nothing installed
         os.set_blocking(r, False)
         os.set_blocking(w, False)
         try:
@@ -45,6 +44,7 @@ class SignalTap:
         except ValueError:  # not the main interpreter: handlers still work, only the early read is lost
             os.close(r)
             os.close(w)
+        self._previous = {sig: signal.signal(sig, handler) for sig, handler in self._handlers.items()}
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -57,8 +57,14 @@ class SignalTap:
                     os.close(fd)
                 self._pipe = None
 
-    def seen(self, wait_s: float = 0.0) -> list[int]:
-        """Signal numbers that arrived so far (waiting up to ``wait_s`` for the first one)."""
+    def seen(self, wait_s: float = 0.0, *, among: Iterable[int] | None = None) -> list[int]:
+        """Signal numbers that arrived so far, waiting up to ``wait_s`` for one (of ``among``,
+        when given: another signal arriving meanwhile does not end the wait)."""
+        wanted = None if among is None else set(among)
+
+        def found() -> bool:
+            return bool(self._seen) if wanted is None else any(s in wanted for s in self._seen)
+
         with self._lock:
             if self._pipe is None:
                 return list(self._seen)
@@ -66,19 +72,19 @@ class SignalTap:
             deadline = time.monotonic() + wait_s
             while True:
                 left = deadline - time.monotonic()
-                if not self._seen and left > 0:
+                if not found() and left > 0:
                     select.select([r], [], [], left)
                 try:
                     data = os.read(r, 512)
                 except BlockingIOError:
                     data = b""
                 self._seen.extend(data)
-                if self._seen or time.monotonic() >= deadline:
+                if found() or time.monotonic() >= deadline:
                     return list(self._seen)
 
     def stop_reason(self, wait_s: float = 0.0) -> str | None:
-        """The reason of the first stop signal seen, or None."""
-        for sig in self.seen(wait_s):
+        """The reason of the first stop signal seen (waiting up to ``wait_s`` for one), or None."""
+        for sig in self.seen(wait_s, among=NAMES):
             if sig in NAMES:
                 return NAMES[sig]
         return None

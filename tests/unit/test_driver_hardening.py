@@ -178,3 +178,14 @@ def test_every_run_leaves_a_plot_of_its_main_metric_beside_the_summary(tmp_path)
     d, summary = drive(tmp_path, Counter(), max_steps=5)
     png = tmp_path / "r" / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "r" / "summary.json").exists()
+
+
+def test_a_run_that_starts_over_without_checkpoints_drops_the_rows_of_its_earlier_start(tmp_path):
+    import shutil
+
+    drive(tmp_path, Counter(), max_steps=4, checkpoint_every_steps=2)
+    shutil.rmtree(tmp_path / "r" / "checkpoints")  # every checkpoint gone: the run starts over at step 0
+    d, again = drive(tmp_path, Counter(), max_steps=3, checkpoint_every_steps=2)
+    assert again["resumed_from"] is None
+    assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.discarded.jsonl")] == [1, 2, 3, 4]
