@@ -1,4 +1,4 @@
-"""Pool overhead: raylane's ActorPool against Ray's own ray.util.ActorPool, side by side.
+"""Pool overhead: raylane's TaskPool against Ray's own ray.util.ActorPool, side by side.
 
 Both map the same calls over the same number of actors on one local Ray. raylane
 adds eviction, replacement, per-call deadlines and exactly-once bookkeeping; this
@@ -17,7 +17,7 @@ import ray
 from ray.util import ActorPool as RayActorPool
 
 from raylane.placement import RoleSpec
-from raylane.pool import ActorPool
+from raylane.group import TaskPool
 
 
 @ray.remote
@@ -38,7 +38,7 @@ def time_ray(actors, calls: int, ms: float) -> float:
     return time.perf_counter() - t0
 
 
-def time_raylane(pool: ActorPool, calls: int, ms: float) -> float:
+def time_raylane(pool: TaskPool, calls: int, ms: float) -> float:
     t0 = time.perf_counter()
     tickets = [pool.submit("work", x, ms) for x in range(calls)]
     done = pool.gather(tickets, timeout_s=600)
@@ -56,7 +56,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=2 * args.actors + 1, include_dashboard=False, log_to_driver=False)
     raw = [Echo.options(num_cpus=1).remote() for _ in range(args.actors)]
     ray.get([a.work.remote(0, 0) for a in raw])
-    pool = ActorPool(RoleSpec("echo", {"CPU": 1.0}, count=args.actors), Echo, call_timeout_s=600)
+    pool = TaskPool(RoleSpec("echo", {"CPU": 1.0}, count=args.actors), Echo, call_timeout_s=600)
     pool.wait_ready(120)
     print(f"{'work/call':>10} {'calls':>6} {'ray.util s':>11} {'raylane s':>10} {'ratio':>6} {'raylane us/call':>16}")
     for ms in [float(x) for x in args.work_ms.split(",")]:

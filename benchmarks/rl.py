@@ -53,11 +53,11 @@ def raylane_sampling(steps: int) -> float:
     from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
     from raylane.jobs.ppo import check_env
     from raylane.placement import RoleSpec
-    from raylane.pool import ActorPool
+    from raylane.group import TaskPool
 
     spec = check_env("CartPole-v1")
     weights = ray.put(Learner(LearnerConfig(spec=spec)).weights())
-    pool = ActorPool(RoleSpec("w", {"CPU": 0.5}, count=WORKERS), RolloutWorker, actor_args=lambda k: ((RolloutConfig("CartPole-v1", ENVS, 1000 * k, spec),), {}))
+    pool = TaskPool(RoleSpec("w", {"CPU": 0.5}, count=WORKERS), RolloutWorker, actor_args=lambda k: ((RolloutConfig("CartPole-v1", ENVS, 1000 * k, spec),), {}))
     pool.wait_ready(120)
     per = 256
     pool.gather([pool.submit("sample", weights, 32) for _ in range(WORKERS)], timeout_s=60)

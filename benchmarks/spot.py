@@ -47,7 +47,7 @@ from typing import Any  # noqa: E402
 from raylane import config as cfg  # noqa: E402
 from raylane.cluster import ClusterView  # noqa: E402
 from raylane.driver import Driver  # noqa: E402
-from raylane.pool import PoolError  # noqa: E402
+from raylane.group import PoolError  # noqa: E402
 from raylane.preemption import NodeLost  # noqa: E402
 from raylane.registry import get  # noqa: E402
 from raylane.testing.spotmarket import SpotMarket  # noqa: E402

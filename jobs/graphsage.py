@@ -31,7 +31,7 @@ from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
-from raylane.pool import ActorPool, PoolError
+from raylane.group import TaskPool, PoolError
 from raylane.registry import JobSpec
 
 SAMPLERS, TRAINER = "gnn_sampler", "gnn_trainer"
@@ -172,8 +172,8 @@ class GraphSAGEWorkload(BaseWorkload):
         self.cursor = 0  # global batch number: epoch * len(plan) + position
         self.coverage = np.zeros(self.graph.num_nodes, dtype=np.int32)
         self.last_eval: dict[str, float] = {}
-        self.samplers: ActorPool | None = None
-        self.trainer: ActorPool | None = None
+        self.samplers: TaskPool | None = None
+        self.trainer: TaskPool | None = None
         self._graph_ref = None
         self._inflight: dict[int, int] = {}  # global batch number -> sampler ticket
         self._ctx: Context | None = None
@@ -209,9 +209,9 @@ class GraphSAGEWorkload(BaseWorkload):
         tc = self._trainer_config()
         # Two train calls at the trainer: the next batch starts the moment one is done,
         # not after a round trip through the driver (which shares a core with the samplers).
-        self.trainer = ActorPool(roles[TRAINER], GNNTrainerActor, actor_args=lambda key: ((tc, self._graph_ref), {}), size=1, call_timeout_s=c.batch_timeout_s, queue_depth=2)
+        self.trainer = TaskPool(roles[TRAINER], GNNTrainerActor, actor_args=lambda key: ((tc, self._graph_ref), {}), size=1, call_timeout_s=c.batch_timeout_s, queue_depth=2)
         size = max(1, min(c.samplers, ctx.count(SAMPLERS)))
-        self.samplers = ActorPool(roles[SAMPLERS], GNNSamplerActor, actor_args=self._sampler_args, size=size, call_timeout_s=c.batch_timeout_s, on_timeout="retry")
+        self.samplers = TaskPool(roles[SAMPLERS], GNNSamplerActor, actor_args=self._sampler_args, size=size, call_timeout_s=c.batch_timeout_s, on_timeout="retry")
         self.trainer.wait_ready(timeout_s=180)
         self.samplers.wait_ready(timeout_s=180)
         ctx.log.event("graph", nodes=self.graph.num_nodes, edges=self.graph.num_edges, parts=self.graph.num_parts,
@@ -241,7 +241,7 @@ class GraphSAGEWorkload(BaseWorkload):
             raise PoolError(f"expected one trainer to answer {method!r}, got {len(results)}")
         return results[0]
 
-    def _await(self, pool: ActorPool, ticket: int, *, other: ActorPool, ref: bool = False) -> Any:
+    def _await(self, pool: TaskPool, ticket: int, *, other: TaskPool, ref: bool = False) -> Any:
         """The result of ``ticket`` (with ``ref``: and its ObjectRef), keeping ``other``
         moving meanwhile: samplers go on prefetching while the trainer computes, and the
         trainer gets its next queued batch the moment it finishes one while the driver
@@ -351,7 +351,7 @@ class GraphSAGEWorkload(BaseWorkload):
             self.samplers.cancel(self._inflight.values())
         self._inflight = {}
 
-    def pools(self) -> dict[str, ActorPool]:
+    def pools(self) -> dict[str, TaskPool]:
         out = {}
         if self.trainer is not None:
             out[TRAINER] = self.trainer

@@ -21,7 +21,7 @@ from raylane.workload import BaseWorkload
 from raylane.registry import JobSpec
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
-from raylane.pool import ActorPool
+from raylane.group import TaskPool
 
 ROLE = "grad_worker"
 
@@ -71,7 +71,7 @@ class LinRegWorkload(BaseWorkload):
         sizes = split_by_speed(config.rows, [1.0] * config.shards)
         bounds = np.cumsum([0] + sizes)
         self.shards = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        self.pool: ActorPool | None = None
+        self.pool: TaskPool | None = None
 
     def roles(self) -> list[RoleSpec]:
         return [RoleSpec(ROLE, {"CPU": 1.0}, min_count=1, max_count=self.config.max_workers, want=self.config.workers)]
@@ -80,7 +80,7 @@ class LinRegWorkload(BaseWorkload):
         c = self.config
         worker_cfg = GradWorkerConfig(c.seed, c.features, c.noise)
         size = max(1, min(c.workers, ctx.count(ROLE)))
-        self.pool = ActorPool(self.roles()[0], GradWorker, actor_args=lambda key: ((worker_cfg,), {}), size=size, call_timeout_s=c.step_timeout_s, on_timeout="retry")
+        self.pool = TaskPool(self.roles()[0], GradWorker, actor_args=lambda key: ((worker_cfg,), {}), size=size, call_timeout_s=c.step_timeout_s, on_timeout="retry")
         self.pool.wait_ready(timeout_s=120)
 
     def step(self, step: int) -> dict[str, Any]:
@@ -108,7 +108,7 @@ class LinRegWorkload(BaseWorkload):
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return bool(self.config.target_loss) and metrics["loss"] <= self.config.target_loss
 
-    def pools(self) -> dict[str, ActorPool]:
+    def pools(self) -> dict[str, TaskPool]:
         return {} if self.pool is None else {ROLE: self.pool}
 
     def recover(self, ctx: Context, error: BaseException) -> None:

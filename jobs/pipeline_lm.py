@@ -44,7 +44,7 @@ from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.preemption import NodeLeaving
-from raylane.pool import ActorPool, CallTimeoutError, PoolError
+from raylane.group import TaskPool, CallTimeoutError, PoolError
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class PipelineLMWorkload(BaseWorkload):
         if len(self.train_tokens) < self.model.seq_len + 2 or len(self.val_tokens) < self.model.seq_len + 1:
             raise ValueError(f"text_chars={config.text_chars} with val_fraction={config.val_fraction} leaves too little text for seq_len={self.model.seq_len}")
         self.costs: list[float] = []
-        self.pool: ActorPool | None = None
+        self.pool: TaskPool | None = None
         self.ctx: Context | None = None
         self.layout: Layout | None = None
         self._kept: dict[str, Any] | None = None  # layer states read for a hand-off that failed, until reloaded
@@ -219,7 +219,7 @@ class PipelineLMWorkload(BaseWorkload):
         stage = StageConfig(self.model, lr=c.lr, weight_decay=c.weight_decay, recompute=c.recompute, threads=max(1, int(c.stage_cpus)),
                             link_timeout_s=c.link_timeout_s or None)
         cls = LinkedStage if c.dispatch == "linked" else PipelineStage
-        self.pool = ActorPool(self.roles()[0], cls, actor_args=lambda key: ((stage,), {}), size=c.stages * c.replicas, start_timeout_s=c.start_timeout_s)
+        self.pool = TaskPool(self.roles()[0], cls, actor_args=lambda key: ((stage,), {}), size=c.stages * c.replicas, start_timeout_s=c.start_timeout_s)
         self.pool.wait_ready(timeout_s=c.start_timeout_s)
         self._relayout(states=None)
 
@@ -362,7 +362,7 @@ class PipelineLMWorkload(BaseWorkload):
         ctx.log.event("final", val_loss=val)
         log.info("pipeline_lm: held-out loss %.4f; sample: %r", val, text[:80])
 
-    def pools(self) -> dict[str, ActorPool]:
+    def pools(self) -> dict[str, TaskPool]:
         return {} if self.pool is None else {ROLE: self.pool}
 
     def recover(self, ctx: Context, error: BaseException) -> None:

@@ -27,7 +27,7 @@ from raylane.workload import BaseWorkload
 from raylane.jobs import gym_envs
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
-from raylane.pool import ActorPool, PoolError
+from raylane.group import TaskPool, PoolError
 from raylane.registry import JobSpec
 from raylane.runlog import read_jsonl
 
@@ -132,8 +132,8 @@ class PPOWorkload(BaseWorkload):
         self.env_steps = 0
         self.episodes = 0
         self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)
-        self.workers: ActorPool | None = None
-        self.learner: ActorPool | None = None
+        self.workers: TaskPool | None = None
+        self.learner: TaskPool | None = None
         self._weights_ref = None
         self._seeds_logged: set[int] = set()
         self._inflight: list[int] | None = None
@@ -169,9 +169,9 @@ class PPOWorkload(BaseWorkload):
         self._ctx = ctx
         roles = {r.name: r for r in self.roles()}
         lc = self._learner_config()
-        self.learner = ActorPool(roles[LEARNER], LearnerActor, actor_args=lambda key: ((lc,), {}), size=1, call_timeout_s=300)
+        self.learner = TaskPool(roles[LEARNER], LearnerActor, actor_args=lambda key: ((lc,), {}), size=1, call_timeout_s=300)
         size = max(1, min(c.workers, ctx.count(WORKERS)))
-        self.workers = ActorPool(roles[WORKERS], RolloutWorker, actor_args=self._worker_args, size=size, call_timeout_s=c.sample_timeout_s, on_timeout="retry")
+        self.workers = TaskPool(roles[WORKERS], RolloutWorker, actor_args=self._worker_args, size=size, call_timeout_s=c.sample_timeout_s, on_timeout="retry")
         self.learner.wait_ready(timeout_s=180)
         self.workers.wait_ready(timeout_s=180)
         self._refresh_weights()
@@ -290,7 +290,7 @@ class PPOWorkload(BaseWorkload):
         self._inflight = None
         self._refresh_weights()
 
-    def pools(self) -> dict[str, ActorPool]:
+    def pools(self) -> dict[str, TaskPool]:
         out = {}
         if self.learner is not None:
             out[LEARNER] = self.learner

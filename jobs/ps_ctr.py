@@ -41,7 +41,7 @@ from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
-from raylane.pool import LOST, ActorPool, CallTimeoutError, PoolError, WorkError
+from raylane.group import LOST, TaskPool, CallTimeoutError, PoolError, WorkError
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
@@ -156,8 +156,8 @@ class PSCTRWorkload(BaseWorkload):
         self.sizes = {n: int(np.prod(s)) for n, s in ctr.dense_shapes(self.shape).items()}
         self.slices = dense_slices(self.sizes, config.shards)
         self.eval = ctr.rows(self.shape, config.seed, config.rows, config.rows + config.eval_rows)
-        self.shard_pool: ActorPool | None = None
-        self.worker_pool: ActorPool | None = None
+        self.shard_pool: TaskPool | None = None
+        self.worker_pool: TaskPool | None = None
         self.ctx: Context | None = None
         self.shards: dict[int, Any] = {}  # shard number -> actor
         self.workers: dict[int, Any] = {}  # worker number -> actor
@@ -185,8 +185,8 @@ class PSCTRWorkload(BaseWorkload):
         c = self.config
         self.ctx = ctx
         roles = {r.name: r for r in self.roles()}
-        self.shard_pool = ActorPool(roles[SHARDS], ParamShard, size=c.shards, start_timeout_s=c.step_timeout_s)
-        self.worker_pool = ActorPool(roles[WORKERS], PSWorker, size=c.workers, start_timeout_s=c.step_timeout_s)
+        self.shard_pool = TaskPool(roles[SHARDS], ParamShard, size=c.shards, start_timeout_s=c.step_timeout_s)
+        self.worker_pool = TaskPool(roles[WORKERS], PSWorker, size=c.workers, start_timeout_s=c.step_timeout_s)
         self.shard_pool.wait_ready(timeout_s=c.step_timeout_s)
         self.worker_pool.wait_ready(timeout_s=c.step_timeout_s)
         self._ensure_actors()
@@ -368,7 +368,7 @@ class PSCTRWorkload(BaseWorkload):
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.config.target_auc > 0 and metrics["auc"] >= self.config.target_auc
 
-    def pools(self) -> dict[str, ActorPool]:
+    def pools(self) -> dict[str, TaskPool]:
         out = {}
         if self.shard_pool is not None:
             out[SHARDS] = self.shard_pool

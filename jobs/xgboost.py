@@ -11,9 +11,10 @@ driver checkpoints the last one. Per-round metrics go to ``rounds.jsonl`` in the
 ``model.ubj``.
 
 When a trainer dies mid-chunk the collective cannot go on: the survivors leave it with an
-error (or are killed if they have not within the collective timeout), the pool replaces the
-dead trainer, the replacement reads the lost shard, survivors keep theirs, and the group
-continues from the last checkpointed round.
+error (or are killed if they have not within the collective timeout), the trainers' gang
+(:class:`raylane.group.Gang`, one rank per shard) replaces the dead trainer, the replacement
+takes the lost rank and reads its shard, survivors keep theirs, and the group continues
+from the last checkpointed round.
 
 The params are settled on the driver before Ray starts (:mod:`raylane.jobs.xgboost_params`):
 a name xgboost does not know is refused, and without an objective one is chosen from the
@@ -42,16 +43,16 @@ from raylane.actors import tabular
 from raylane.actors.xgboost_trainer import Shard, XGBoostTrainerConfig, XGBoostTrainer
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
-from raylane.jobs.xgboost_collective import Tracker, tracker_host
-from raylane.jobs.xgboost_group import ROLE, collect, drain
+from raylane.jobs.xgboost_collective import Tracker, first_line, is_collective_error, tracker_host
 from raylane.jobs.xgboost_params import OBJECTIVES, ObjectiveChoice, objective_params, probe, static_params  # noqa: F401 - OBJECTIVES is re-exported
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
-from raylane.pool import ActorPool
+from raylane.group import Gang
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
 
+ROLE = "xgboost_trainer"
 
 
 @dataclass
@@ -203,10 +204,9 @@ class XGBoostWorkload(BaseWorkload):
         self.main_metric = f"{self.prep.evals[-1]}-{first}" if self.prep.evals else "round"
         self.guarded_metrics = tuple(f"{s}-{first}" for s in self.prep.evals[:1])
         self.progress_metrics = ("round",) + tuple(f"{self.prep.evals[-1]}-{m}" for m in self.prep.metrics if self.prep.evals)
-        self.pool: ActorPool | None = None
+        self.gang: Gang | None = None  # rank i holds shard i
         self.ctx: Context | None = None
         self.shards: list[Shard] = []
-        self.holders: dict[int, Any] = {}  # shard index -> the trainer holding it
         self.members: dict[int, dict[str, Any]] = {}  # shard index -> its trainer's node, pid, rows
         self.group = 0  # bumped whenever the group changes: every trainer then rebuilds its matrices
         self.stream: _Stream | None = None
@@ -225,46 +225,42 @@ class XGBoostWorkload(BaseWorkload):
         ctx.log.event("xgboost_objective", **self.prep.objective.event(self.prep.metrics))
         print(self.prep.objective.line(self.prep.metrics), flush=True)
         trainer = XGBoostTrainerConfig(self.prep.table, d.eval_fraction, d.seed, c.threads, self.prep.quantile, int(self.prep.params.get("max_bin", 256)))
-        self.pool = ActorPool(self.roles()[0], XGBoostTrainer, actor_args=lambda key: ((trainer,), {}), size=c.trainers, start_timeout_s=c.load_timeout_s)
-        self.pool.wait_ready(timeout_s=c.load_timeout_s)
+        self.gang = Gang(self.roles()[0], XGBoostTrainer, actor_args=lambda key: ((trainer,), {}), size=c.trainers, start_timeout_s=c.load_timeout_s,
+                         on_join=self._join, broken=lambda exc: is_collective_error(str(exc)), brief=lambda exc: first_line(str(exc)), rank_order=lambda node: -self._speed(node), rank_name="shard", actor_word="trainer")
         self._ensure_group()
 
     def _ensure_group(self) -> None:
-        """Every shard on a live trainer: dead trainers are replaced and their shards reloaded
-        into the replacements, while survivors keep theirs."""
-        assert self.pool is not None and self.ctx is not None
-        c = self.config
-        self.pool.call_all("where", timeout_s=c.load_timeout_s)  # a dead trainer is evicted and replaced here
-        self.pool.wait_ready(timeout_s=c.load_timeout_s)
-        live = self.pool.actors()
-        if not self.shards:
-            held, loads = {}, self._plan_shards(live)
-        else:
-            held = {i: h for i, h in self.holders.items() if h in live}
-            free = [h for h in live if h not in held.values()]
-            loads = dict(zip([i for i in range(len(self.shards)) if i not in held], free))
-        if not loads:
-            return
+        """Every shard on a live trainer: dead trainers are replaced, the replacements take
+        the lost ranks and load their shards, survivors keep theirs."""
+        assert self.gang is not None and self.ctx is not None
         t0 = time.monotonic()
-        infos = collect({i: h.load.remote(self.shards[i]) for i, h in loads.items()}, loads, what="load", timeout_s=c.load_timeout_s, grace_s=c.load_timeout_s)
-        self.holders = {**held, **loads}
-        self.members = {**{i: self.members[i] for i in held}, **{i: infos[i] for i in loads}}
+        infos = self.gang.form(timeout_s=self.config.load_timeout_s)
+        if not infos:
+            return
+        kept = [i for i in range(len(self.shards)) if i not in infos]
+        self.members = {**{i: self.members[i] for i in kept}, **infos}
         self.group += 1
-        event = {"group": self.group, "loaded": sorted(loads), "kept": sorted(held), "nodes": {str(i): infos[i]["node"] for i in sorted(loads)}, "seconds": round(time.monotonic() - t0, 3)}
+        event = {"group": self.group, "loaded": sorted(infos), "kept": kept, "nodes": {str(i): infos[i]["node"] for i in sorted(infos)}, "seconds": round(time.monotonic() - t0, 3)}
         self.ctx.log.event("xgboost_group", **event)
 
-    def _plan_shards(self, live: list[Any]) -> dict[int, Any]:
-        """Shard sizes follow the speed of the node each trainer landed on (shard 0 on the
-        fastest); returns which trainer loads which shard."""
+    def _join(self, rank: int, trainer: Any) -> Any:
+        """The gang's ``on_join``: the trainer of ``rank`` loads shard ``rank``."""
+        if not self.shards:
+            self._plan_shards()
+        return trainer.load.remote(self.shards[rank])
+
+    def _speed(self, node_id: str) -> float:
         assert self.ctx is not None
-        where = ray.get([h.where.remote() for h in live], timeout=self.config.load_timeout_s)
-        known = {n.node_id: n.speed for n in self.ctx.cluster.nodes}
-        speeds = [known.get(w["node"], 1.0) for w in where]
-        order = sorted(range(len(live)), key=lambda k: (-speeds[k], where[k]["node"], k))
-        ranges = speed_shards(self.prep.table.rows, [speeds[k] for k in order])
+        return next((n.speed for n in self.ctx.cluster.nodes if n.node_id == node_id), 1.0)
+
+    def _plan_shards(self) -> None:
+        """Shard sizes follow the speed of each rank's node (the gang gives rank 0 to the
+        fastest node on its first formation)."""
+        assert self.gang is not None and self.ctx is not None
+        speeds = [self._speed(node) for _, node in sorted(self.gang.nodes().items())]
+        ranges = speed_shards(self.prep.table.rows, speeds)
         self.shards = [Shard(i, a, b) for i, (a, b) in enumerate(ranges)]
-        self.ctx.log.event("xgboost_shards", shards=[[s.start, s.stop] for s in self.shards], speeds=[speeds[k] for k in order])
-        return {i: live[k] for i, k in enumerate(order)}
+        self.ctx.log.event("xgboost_shards", shards=[[s.start, s.stop] for s in self.shards], speeds=speeds)
 
     def step(self, step: int) -> dict[str, Any]:
         c = self.config
@@ -274,7 +270,7 @@ class XGBoostWorkload(BaseWorkload):
         expected = min(self.round + c.checkpoint_every, c.num_boost_round)
         t0 = time.monotonic()
         try:
-            items = collect(self.stream.chunks, self.holders, what="train", timeout_s=c.chunk_timeout_s, grace_s=c.collective_timeout_s + 5)
+            items = self.gang.gather(self.stream.chunks, what="train", timeout_s=c.chunk_timeout_s, grace_s=c.collective_timeout_s + 5)
             rounds = {item["round"] for item in items.values()}
             if rounds != {expected}:
                 raise RuntimeError(f"trainers reached rounds {sorted(rounds)}, expected {expected}")
@@ -306,7 +302,7 @@ class XGBoostWorkload(BaseWorkload):
         args = tracker.worker_args()
         model_ref = None if self.model is None else ray.put(self.model)
         rounds = c.num_boost_round - self.round
-        chunks = {i: h.train.remote(args, self.group, model_ref, self.round, rounds, c.checkpoint_every, self.prep.params, self.prep.evals) for i, h in self.holders.items()}
+        chunks = {i: h.train.remote(args, self.group, model_ref, self.round, rounds, c.checkpoint_every, self.prep.params, self.prep.evals) for i, h in self.gang.handles().items()}
         return _Stream(tracker, chunks)
 
     def _end_stream(self, outcome: str) -> None:
@@ -318,7 +314,7 @@ class XGBoostWorkload(BaseWorkload):
         stream, self.stream = self.stream, None
         if outcome == "failed":
             self.group += 1
-            drain(stream.chunks, self.holders, grace_s=self.config.collective_timeout_s + 5)
+            self.gang.drain(stream.chunks, grace_s=self.config.collective_timeout_s + 5)
         stream.tracker.close(finished=outcome == "finished")
 
     def _log_rounds(self, per_round: dict[str, list[float]]) -> None:
@@ -359,8 +355,8 @@ class XGBoostWorkload(BaseWorkload):
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.round >= self.config.num_boost_round
 
-    def pools(self) -> dict[str, ActorPool]:
-        return {} if self.pool is None else {ROLE: self.pool}
+    def pools(self) -> dict[str, Gang]:
+        return {} if self.gang is None else {ROLE: self.gang}
 
     def recover(self, ctx: Context, error: BaseException) -> None:
         self.ctx = ctx
@@ -369,9 +365,9 @@ class XGBoostWorkload(BaseWorkload):
 
     def close(self) -> None:
         stream, self.stream = self.stream, None
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
+        if self.gang is not None:
+            self.gang.shutdown()
+            self.gang = None
         if stream is not None:  # after the trainers are gone: a tracker with live workers frees slowly
             stream.tracker.close(finished=False)
 

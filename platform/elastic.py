@@ -15,7 +15,7 @@ from typing import Any, Callable
 from raylane.cluster import MARKET_LABEL, ClusterView
 from raylane.placement import capacity, fmt_res
 from raylane.policies import Autoscaler, PoolAutoscale, PoolView, ScalingPolicy
-from raylane.pool import ActorPool, PoolError
+from raylane.group import Membership, PoolError
 from raylane.workload import hook
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Elasticity:
             self.ctx.cluster = self._cluster_source()
             self.rescale(pools)
 
-    def rescale(self, pools: dict[str, ActorPool]) -> None:
+    def rescale(self, pools: dict[str, Membership]) -> None:
         assert self.ctx is not None
         views = []
         for name, pool in pools.items():
@@ -121,7 +121,7 @@ class Elasticity:
                 out[f"pool/{role}/live"] = pool.size
         return out
 
-    def _autoscale(self, pools: dict[str, ActorPool]) -> None:
+    def _autoscale(self, pools: dict[str, Membership]) -> None:
         assert self.ctx is not None
         waited = hook(self.workload, "waits")()
         now = time.time()
@@ -151,7 +151,7 @@ class Elasticity:
             self._has_autoscaler = bool(self._quietly(raystate.autoscaler_present))
         return self._has_autoscaler
 
-    def _set_target(self, pools: dict[str, ActorPool], role: str, n: int, *, reason: str) -> str | None:
+    def _set_target(self, pools: dict[str, Membership], role: str, n: int, *, reason: str) -> str | None:
         """Make ``n`` the size the pool is wanted at; returns what is missing when it does not fit."""
         assert self.ctx is not None
         pool = pools[role]
@@ -173,7 +173,7 @@ class Elasticity:
         self._request_capacity(pools)
         return missing
 
-    def _request_capacity(self, pools: dict[str, ActorPool]) -> None:
+    def _request_capacity(self, pools: dict[str, Membership]) -> None:
         """Ask the Ray autoscaler for the room every pool lacks (one request replaces the last)."""
         assert self.ctx is not None
         bundles, selectors = [], []
@@ -196,7 +196,7 @@ class Elasticity:
         if bundles:
             self.ctx.log.event("autoscaler_request", bundles=len(bundles), autoscaler=self._autoscaler_present())
 
-    def _handle_request(self, req: dict, pools: dict[str, ActorPool]) -> None:
+    def _handle_request(self, req: dict, pools: dict[str, Membership]) -> None:
         from raylane.control import ControlError, check_scale
 
         assert self._channel is not None and self.ctx is not None
@@ -220,7 +220,7 @@ class Elasticity:
                "this cluster has no autoscaler, so the pool grows only when such nodes join (add them, or choose a smaller N)")
         self._quietly(self._channel.respond, req, True, f"{role!r}: target {n}, but {missing}; {how}", step=self._step, missing=True, autoscaler=present)
 
-    def _reports(self, pools: dict[str, ActorPool]) -> list:
+    def _reports(self, pools: dict[str, Membership]) -> list:
         from raylane.control import PoolReport
 
         out = []

@@ -6,11 +6,14 @@ data, never retried). :func:`is_recoverable` is the driver's reading of it.
 
 from __future__ import annotations
 
+import re
+
 from ray.exceptions import (
     NodeDiedError,
     ObjectLostError,
     OutOfMemoryError,
     RayActorError,
+    RayTaskError,
     TaskCancelledError,
     WorkerCrashedError,
 )
@@ -40,8 +43,31 @@ class WorkError(PoolError):
         super().__init__("\n".join(parts))
 
 
+class GroupLost(PoolError):
+    """Ranks of a gang were lost, or their collective broke. Recoverable: the workload
+    regroups (the gang replaces the lost ranks) and resumes from its checkpoint."""
+
+    def __init__(self, message: str, ranks: list[int] | tuple[int, ...] = (), actor: str = "?"):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.actor = actor
+
+
 def is_recoverable(exc: BaseException) -> bool:
     """Lost actors, lost nodes and timeouts are recoverable; a method that raised is a bug."""
     if isinstance(exc, WorkError):
         return False
     return isinstance(exc, LOST + (PoolError, TimeoutError))
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def short_error(exc: BaseException) -> str:
+    """The error without Ray's per-process header, so equal errors compare equal."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, RayTaskError) and isinstance(cause, BaseException):
+        text = f"{type(cause).__name__}: {cause}"
+    else:
+        text = _ANSI.sub("", str(exc)).strip()
+    return text if len(text) < 2000 else text[:2000] + " ..."

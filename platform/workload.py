@@ -17,7 +17,7 @@ from raylane.cluster import ClusterView
 from raylane.placement import Plan, RoleSpec
 from raylane.policies import PoolAutoscale
 from raylane.errors import is_recoverable  # noqa: F401 - part of the contract
-from raylane.pool import ActorPool
+from raylane.group import Membership
 from raylane.runlog import RunLog
 from raylane.runpaths import check_run_name, check_writable_dir
 
@@ -115,7 +115,7 @@ class Workload(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
     def done(self, step: int, metrics: dict[str, Any]) -> bool: ...
-    def pools(self) -> dict[str, ActorPool]: ...
+    def pools(self) -> dict[str, Membership]: ...
     def recover(self, ctx: Context, error: BaseException) -> None: ...
     def close(self) -> None: ...
 
@@ -150,7 +150,7 @@ class BaseWorkload:
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return False
 
-    def pools(self) -> dict[str, ActorPool]:
+    def pools(self) -> dict[str, Membership]:
         return {}
 
     def recover(self, ctx: Context, error: BaseException) -> None:

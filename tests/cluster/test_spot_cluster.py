@@ -20,7 +20,7 @@ from raylane.driver import DriverConfig
 from raylane.jobs.linreg import LinRegConfig, LinRegWorkload
 from raylane.placement import RoleSpec, plan
 from raylane.ray_options import ray_options
-from raylane.pool import ActorPool
+from raylane.group import TaskPool
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 
 from harness import drive  # tests/harness.py
@@ -95,7 +95,7 @@ def test_plan_places_stateful_on_demand_and_stateless_on_spot_by_speed(spot_clus
 def test_pool_survives_spot_node_removal_and_recovers_its_size(spot_cluster):
     wait_all_free()
     role = RoleSpec("sampler", {"CPU": 1.0}, min_count=1, max_count=4)
-    pool = ActorPool(role, Where, size=3, call_timeout_s=60)
+    pool = TaskPool(role, Where, size=3, call_timeout_s=60)
     try:
         pool.wait_ready(timeout_s=60)
         assert set(pool.status().markets) == {"spot"}  # stateless prefers spot

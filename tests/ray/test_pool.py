@@ -1,4 +1,4 @@
-"""Elastic pool on one local Ray: faults, timeouts, resizing, sticky calls."""
+"""Task pool on one local Ray: faults, timeouts, resizing, queued calls."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from raylane.placement import RoleSpec
-from raylane.pool import ActorPool, CallTimeoutError, PoolError, WorkError
+from raylane.group import TaskPool, CallTimeoutError, PoolError, WorkError
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
@@ -43,8 +43,8 @@ class Worker:
         raise ValueError(f"bad item {x}")
 
 
-def make_pool(n=3, lo=1, hi=4, **kw) -> ActorPool:
-    pool = ActorPool(RoleSpec("worker", {"CPU": 0.5}, min_count=lo, max_count=hi), Worker, actor_args=lambda k: ((k,), {}), size=n, **kw)
+def make_pool(n=3, lo=1, hi=4, **kw) -> TaskPool:
+    pool = TaskPool(RoleSpec("worker", {"CPU": 0.5}, min_count=lo, max_count=hi), Worker, actor_args=lambda k: ((k,), {}), size=n, **kw)
     pool.wait_ready(timeout_s=60)
     return pool
 

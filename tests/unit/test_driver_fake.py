@@ -13,7 +13,7 @@ from raylane.checkpoint import CheckpointStore
 from raylane.cluster import ClusterView, NodeInfo
 from raylane.driver import Driver, DriverConfig, DriverError, NonFiniteError, State
 from raylane.placement import RoleSpec
-from raylane.pool import PoolError
+from raylane.group import PoolError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -229,7 +229,7 @@ def test_tensorboard_scalars_are_written(tmp_path):
 
 
 class FakePool:
-    """Stands in for an ActorPool in the driver's event handling: where its actors are."""
+    """Stands in for a pool (membership) in the driver's event handling: where its actors are."""
 
     def __init__(self, role, nodes):
         self.role, self._nodes, self.target, self.size = role, nodes, 1, 1

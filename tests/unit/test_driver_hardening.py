@@ -123,7 +123,7 @@ def test_a_recovery_that_keeps_failing_ends_at_max_recovery_s_not_at_the_failure
             time.sleep(0.2)  # each attempt takes at least this long, so the bound must bite
             raise PoolError(f"still no room (attempt {self.recoveries})")
 
-    from raylane.pool import PoolError
+    from raylane.group import PoolError
 
     w = NeverBack(fail_at={3})
     with pytest.raises(DriverError, match=r"recovery did not succeed within max_recovery_s=0.5 s") as info:

@@ -7,15 +7,15 @@ import logging
 import pytest
 
 from raylane.placement import RoleSpec
-from raylane.pool import ActorPool
+from raylane.group import Membership
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def test_the_same_placement_failure_is_said_once_and_counted_when_it_clears(caplog):
-    pool = ActorPool.__new__(ActorPool)  # only the warning bookkeeping, no actors (no Ray)
+    pool = Membership.__new__(Membership)  # only the warning bookkeeping, no actors (no Ray)
     pool.role, pool._warned = RoleSpec("rollout_worker", {"CPU": 1.0}, min_count=1, max_count=8), None
-    caplog.set_level(logging.WARNING, logger="raylane.pool")
+    caplog.set_level(logging.WARNING, logger="raylane.group.membership")
     for _ in range(16):
         pool._warn_placement("role 'rollout_worker' needs 1 actor(s) of {CPU=1} but only 0 fit.")
     pool._warn_placement(None)
@@ -27,7 +27,7 @@ def test_the_same_placement_failure_is_said_once_and_counted_when_it_clears(capl
 
 
 def test_a_different_failure_is_said_again():
-    pool = ActorPool.__new__(ActorPool)
+    pool = Membership.__new__(Membership)
     pool.role, pool._warned = RoleSpec("w", {"CPU": 1.0}, min_count=1, max_count=8), None
     pool._warn_placement("a")
     pool._warn_placement("a")

@@ -1,0 +1,229 @@
+"""The gang: stateful, ranked roles on top of membership.
+
+Each rank 0..n-1 is held by one live actor and keeps that actor for as long as it lives:
+a rank is the actor's identity (its data shard, its slice of the parameters, its layers).
+When the actor holding a rank is lost, the membership replaces it and the next
+:meth:`Gang.form` hands the free replacement the lost rank and calls ``on_join(rank,
+handle)``, where the workload gives the actor its identity (no actor needs a two-phase
+start). A single learner or trainer is a gang of one.
+
+:meth:`Gang.gather` is the one "wait for every rank, with a deadline and a grace period,
+then kill who is left" loop. The ranks of a gang usually wait on each other (a
+collective, a pipeline, a parameter exchange), so once one rank has failed the others
+get ``grace_s`` to leave with their own error; a rank still inside its call after that
+may be blocked on a peer that is gone, and is killed. The outcome is one error: a
+:class:`GroupLost` naming the ranks (recoverable: regroup and resume from the last
+checkpoint) when ranks were lost, timed out, or raised what the workload's ``broken``
+predicate calls a broken collective; otherwise a grouped :class:`WorkError` (a bug or bad
+data: not retried).
+
+Example::
+
+    gang = Gang(RoleSpec("trainer", count=4, stateful=True), Trainer,
+                on_join=lambda rank, h: h.load.remote(shards[rank]))
+    gang.form(timeout_s=120)
+    out = gang.call("train", timeout_s=600, grace_s=30)   # {rank: result}
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import ray
+from ray import ObjectRefGenerator
+from ray.exceptions import RayTaskError
+
+from raylane.errors import LOST, CallTimeoutError, GroupLost, PoolError, WorkError
+from raylane.group.membership import Member, Membership, Placer
+from raylane.placement import RoleSpec
+
+
+def _gist(exc: BaseException) -> str:
+    """The error's type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+
+
+class Gang(Membership):
+    """Ranked actors of one stateful role; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        role: RoleSpec,
+        actor_cls: Any,
+        *,
+        size: int | None = None,
+        actor_args: Callable[[int], tuple[tuple, dict]] | None = None,
+        on_join: Callable[[int, Any], Any] | None = None,
+        broken: Callable[[BaseException], bool] | None = None,
+        brief: Callable[[BaseException], str] | None = None,
+        rank_order: Callable[[str], Any] | None = None,
+        rank_name: str = "rank",
+        actor_word: str = "actor",
+        placer: Placer | None = None,
+        max_start_failures: int = 3,
+        start_timeout_s: float = 180.0,
+    ):
+        """``on_join(rank, handle)`` returns an ObjectRef (or None) for the call that gives a
+        newly ranked actor its identity; :meth:`form` gathers them. ``broken(error)`` says
+        an error a method raised means the gang's collective broke (recoverable: a peer is
+        gone or timed out), not a bug.
+        ``brief(error)`` shortens an error for messages. ``rank_order(node_id)`` sorts
+        the actors of the first formation (rank 0 first: e.g. the fastest node).
+        ``rank_name`` and ``actor_word`` are what a rank and its actor are called in
+        messages (``shard``/``trainer``, ``stage``)."""
+        self._ranks: dict[int, int] = {}  # rank -> member key
+        self._on_join = on_join
+        self._broken = broken or (lambda exc: False)
+        self._brief = brief or _gist
+        self._rank_order = rank_order
+        self.rank_name = rank_name
+        self.actor_word = actor_word
+        super().__init__(role, actor_cls, actor_args=actor_args, size=size, placer=placer,
+                         max_start_failures=max_start_failures, start_timeout_s=start_timeout_s)
+
+    # ---------------------------------------------------------------- ranks
+
+    def handles(self) -> dict[int, Any]:
+        """{rank: actor handle} of the ranks held by a live actor."""
+        with self._lock:
+            return {r: self._members[k].handle for r, k in sorted(self._ranks.items()) if k in self._members}
+
+    def nodes(self) -> dict[int, str]:
+        """{rank: node id} of the ranks held by a live actor."""
+        with self._lock:
+            return {r: self._members[k].node_id for r, k in sorted(self._ranks.items()) if k in self._members}
+
+    def missing(self) -> list[int]:
+        """Ranks no live actor holds (until the next :meth:`form`)."""
+        with self._lock:
+            return [r for r in range(self.target) if r not in self._ranks]
+
+    def form(self, timeout_s: float, grace_s: float | None = None) -> dict[int, Any]:
+        """Every rank on a live actor. Lost actors are evicted (their replacements start
+        at once), the gang waits until all are ready, free actors take the missing ranks
+        (lowest rank first), and ``on_join`` runs for each of them. Returns {rank:
+        on_join's result} for the ranks that joined now (empty when none was missing)."""
+        self.probe(timeout_s)
+        self.wait_ready(timeout_s)
+        with self._lock:
+            held = set(self._ranks.values())
+            free = [m for m in self._members.values() if m.ready and not m.retiring and m.key not in held]
+            order = self._rank_order if (self._rank_order is not None and not self._ranks) else None
+            free.sort(key=(lambda m: (order(m.node_id), m.node_id, m.key)) if order else (lambda m: m.key))
+            joined = dict(zip(self.missing(), free))
+            for r, m in joined.items():
+                self._ranks[r] = m.key
+        if not joined:
+            return {}
+        if self._on_join is None:
+            return {r: None for r in joined}
+        calls = {r: self._on_join(r, m.handle) for r, m in joined.items()}
+        waiting = {r: ref for r, ref in calls.items() if ref is not None}
+        out = self.gather(waiting, what="on_join", timeout_s=timeout_s, grace_s=timeout_s if grace_s is None else grace_s) if waiting else {}
+        return {r: out.get(r) for r in calls}
+
+    def call(self, method: str, *args: Any, timeout_s: float, grace_s: float, per_rank: Callable[[int], tuple[tuple, dict]] | None = None, **kwargs: Any) -> dict[int, Any]:
+        """Call ``method`` on every rank and :meth:`gather` the answers. ``per_rank(rank)``
+        gives a rank its own ``(args, kwargs)``; otherwise every rank gets ``args``/``kwargs``."""
+        handles = self.handles()
+        if len(handles) < self.target:
+            raise self._lost_ranks(self.missing(), f"{method!r} needs every rank")
+        calls = {}
+        for r, h in handles.items():
+            a, kw = per_rank(r) if per_rank is not None else (args, kwargs)
+            calls[r] = getattr(h, method).remote(*a, **kw)
+        return self.gather(calls, what=method, timeout_s=timeout_s, grace_s=grace_s)
+
+    def gather(self, calls: dict[int, Any], *, what: str, timeout_s: float, grace_s: float) -> dict[int, Any]:
+        """{rank: result} of ``calls`` ({rank: ObjectRef, or a streaming generator whose next
+        item is wanted}), never waiting past ``timeout_s``; see the module docstring for
+        the grace period and the one error raised."""
+        pending = {ref: r for r, ref in calls.items()}
+        results: dict[int, Any] = {}
+        lost: dict[int, str] = {}
+        errors: dict[int, BaseException] = {}
+        deadline = time.monotonic() + timeout_s
+        failed_at: float | None = None
+        while pending:
+            limit = deadline if failed_at is None else min(deadline, failed_at + grace_s)
+            left = limit - time.monotonic()
+            if left <= 0:
+                break
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+            for ready in done:
+                r = pending.pop(ready)
+                try:
+                    ref = next(ready) if isinstance(ready, ObjectRefGenerator) else ready
+                    results[r] = ray.get(ref, timeout=max(1.0, left))
+                except StopIteration:
+                    errors[r] = RuntimeError(f"{what!r} ended before its last item")
+                except LOST as exc:
+                    lost[r] = type(exc).__name__
+                except RayTaskError as exc:
+                    cause = getattr(exc, "cause", None)
+                    errors[r] = cause if isinstance(cause, BaseException) else exc
+                if r not in results and failed_at is None:
+                    failed_at = time.monotonic()
+        stuck = sorted(pending.values())
+        self._evict_ranks({**{r: f"lost during {what!r}: {why}" for r, why in lost.items()},
+                           **{r: f"still in {what!r} after the deadline, killed" for r in stuck}})
+        if not (lost or errors or stuck):
+            return results
+        n = self.rank_name
+        if errors and not lost and not all(self._broken(e) for e in errors.values()):
+            grouped: dict[str, list[str]] = {}
+            for r, e in errors.items():
+                grouped.setdefault(self._brief(e), []).append(f"{n} {r}")
+            raise self._named(WorkError(what, grouped))  # a bug or bad data: not worth retrying
+        if failed_at is None:
+            raise self._named(CallTimeoutError(f"{what!r} on {n}(s) {stuck} did not return within {timeout_s:g} s; those actors were killed"))
+        parts = [f"{n} {r}: {self.actor_word} lost ({why})" for r, why in sorted(lost.items())]
+        parts += [f"{n} {r}: {self._brief(e)}" for r, e in sorted(errors.items())]
+        parts += [f"{n} {r}: still in the collective {grace_s:g} s after the first failure, killed" for r in stuck]
+        ranks = sorted(lost) or stuck or sorted(errors)
+        raise self._named(GroupLost(f"{what!r} failed: " + "; ".join(parts), ranks=ranks, actor=", ".join(f"{n} {r}" for r in ranks)))
+
+    def drain(self, streams: dict[int, ObjectRefGenerator], *, grace_s: float) -> None:
+        """Wait until every stream has ended (a broken collective ends them with an error);
+        kill the ranks whose stream is still running after ``grace_s``."""
+        pending = {gen: r for r, gen in streams.items()}
+        deadline = time.monotonic() + grace_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+            for gen in done:
+                try:
+                    ray.get(next(gen), timeout=max(1.0, left))
+                except StopIteration:
+                    pending.pop(gen)
+                except Exception:  # noqa: BLE001 - a stream that raised (its actor died or its collective broke) has ended
+                    pending.pop(gen)
+        self._evict_ranks({r: f"still streaming {grace_s:g} s after the stream was closed, killed" for r in pending.values()})
+
+    def resize(self, n: int) -> None:
+        """A gang's size is its number of ranks, fixed for the run."""
+        if n != self.target:
+            raise ValueError(f"role {self.role.name!r} is a gang of {self.target} ranks; its size cannot change while it runs (got {n!r})")
+
+    # ---------------------------------------------------------------- membership hooks
+
+    def _left(self, m: Member, reason: str) -> None:
+        for r, k in list(self._ranks.items()):
+            if k == m.key:
+                del self._ranks[r]
+
+    # ---------------------------------------------------------------- internals
+
+    def _evict_ranks(self, reasons: dict[int, str]) -> None:
+        with self._lock:
+            for r, reason in reasons.items():
+                key = self._ranks.get(r)
+                if key is not None:
+                    self._evict(key, reason)
+        if reasons:
+            self._fill()
+
+    def _lost_ranks(self, ranks: list[int], why: str) -> PoolError:
+        n = self.rank_name
+        return self._named(GroupLost(f"{why}; no live actor holds {n}(s) {ranks}", ranks=ranks, actor=", ".join(f"{n} {r}" for r in ranks)))
