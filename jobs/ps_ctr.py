@@ -41,7 +41,7 @@ from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
-from raylane.group import LOST, TaskPool, CallTimeoutError, PoolError, WorkError
+from raylane.group import LOST, CallTimeoutError, Gang, GroupLost, PoolError
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
@@ -115,23 +115,13 @@ class PSCTRConfig:
         return ctr.CTRShape(self.fields, self.ids_per_field, self.buckets, self.dense_features, self.embedding_dim, self.hidden)
 
 
-def assign(count: int, held: dict[int, Any], live: list[Any]) -> tuple[dict[int, Any], dict[int, Any]]:
-    """Numbers 0..count-1 over live actors: ``(kept, new)``, where ``kept`` are the numbers
-    whose actor is still live and ``new`` gives the others to the live actors holding none.
-
-    >>> assign(3, {0: "a", 1: "b"}, ["a", "c", "d"])
-    ({0: 'a'}, {1: 'c', 2: 'd'})
-    """
-    kept = {i: h for i, h in held.items() if h in live}
-    free = [h for h in live if h not in kept.values()]
-    return kept, dict(zip([i for i in range(count) if i not in kept], free))
+def pull_failed(exc: BaseException) -> bool:
+    """A worker's error that means a shard it pulls from is gone or a wait timed out (the
+    gang's "broken collective": recoverable), not a bug in the worker."""
+    return isinstance(exc, LOST + (TimeoutError,)) or isinstance(getattr(exc, "cause", None), LOST + (TimeoutError,))
 
 
-class StepFailed(PoolError):
-    """A step's worker calls failed; recoverable when an actor was lost or a wait timed out."""
-
-
-class ShardLost(StepFailed):
+class ShardLost(PoolError):
     """Parameter shards died (recoverable): ``role`` is ``param_shard`` and ``shards`` their
     numbers, so the driver's failure event names what was lost, not the workers it took down."""
 
@@ -156,13 +146,10 @@ class PSCTRWorkload(BaseWorkload):
         self.sizes = {n: int(np.prod(s)) for n, s in ctr.dense_shapes(self.shape).items()}
         self.slices = dense_slices(self.sizes, config.shards)
         self.eval = ctr.rows(self.shape, config.seed, config.rows, config.rows + config.eval_rows)
-        self.shard_pool: TaskPool | None = None
-        self.worker_pool: TaskPool | None = None
+        self.shard_gang: Gang | None = None  # rank i holds shard i
+        self.worker_gang: Gang | None = None  # rank w reads worker w's rows
         self.ctx: Context | None = None
-        self.shards: dict[int, Any] = {}  # shard number -> actor
-        self.workers: dict[int, Any] = {}  # worker number -> actor
         self.fresh: set[int] = set()  # shards holding no trained state (to restore on a load)
-        self.stuck: list[Any] = []  # workers whose call of a failed step may still run
         self.auc = 0.5
 
     # ------------------------------------------------------------ roles and actors
@@ -181,43 +168,51 @@ class PSCTRWorkload(BaseWorkload):
         c = self.config
         return WorkerConfig(w, self.shape, rows, c.shards, c.batch_size, c.seed, c.seed, c.step_timeout_s)
 
+    @property
+    def shards(self) -> dict[int, Any]:
+        """{shard number: its live actor}."""
+        return {} if self.shard_gang is None else self.shard_gang.handles()
+
+    @property
+    def workers(self) -> dict[int, Any]:
+        """{worker number: its live actor}."""
+        return {} if self.worker_gang is None else self.worker_gang.handles()
+
     def setup(self, ctx: Context) -> None:
         c = self.config
         self.ctx = ctx
         roles = {r.name: r for r in self.roles()}
-        self.shard_pool = TaskPool(roles[SHARDS], ParamShard, size=c.shards, start_timeout_s=c.step_timeout_s)
-        self.worker_pool = TaskPool(roles[WORKERS], PSWorker, size=c.workers, start_timeout_s=c.step_timeout_s)
-        self.shard_pool.wait_ready(timeout_s=c.step_timeout_s)
-        self.worker_pool.wait_ready(timeout_s=c.step_timeout_s)
+        self.shard_gang = Gang(roles[SHARDS], ParamShard, size=c.shards, start_timeout_s=c.step_timeout_s, on_join=self._join_shard, rank_name="shard")
+        self.worker_gang = Gang(roles[WORKERS], PSWorker, size=c.workers, start_timeout_s=c.step_timeout_s, on_join=self._join_worker,
+                                broken=pull_failed, rank_name="worker")
         self._ensure_actors()
         init = ctr.init_dense(self.shape, c.seed)
         flat = {n: v.reshape(-1) for n, v in init.items()}
-        ray.get([self.shards[i].init_dense.remote({n: flat[n][a:b] for n, (a, b) in self.slices[i].items()}) for i in range(c.shards)], timeout=c.step_timeout_s)
+        self.shard_gang.call("init_dense", timeout_s=c.step_timeout_s, grace_s=c.step_timeout_s,
+                             per_rank=lambda i: (({n: flat[n][a:b] for n, (a, b) in self.slices[i].items()},), {}))
+
+    def _join_shard(self, i: int, shard: Any) -> Any:
+        """The shard gang's ``on_join``: shard ``i``'s slices and tables, no trained state yet."""
+        self.fresh.add(i)
+        return shard.setup.remote(self.shard_config(i))
+
+    def _join_worker(self, w: int, worker: Any) -> Any:
+        """The worker gang's ``on_join``: worker ``w`` reads the same rows as any worker ``w`` before it."""
+        bounds = np.cumsum([0] + split_by_speed(self.config.rows, [1.0] * self.config.workers)).tolist()
+        return worker.setup.remote(self.worker_config(w, (bounds[w], bounds[w + 1])))
 
     def _ensure_actors(self, shards: bool = True, wait_s: float | None = None) -> None:
         """Every worker number (and, with ``shards``, every shard number) on a live actor;
         new shards are fresh (restored on the load that follows a recovery), survivors keep
         their state. Shards are only replaced on recovery: a shard replaced anywhere else
         would serve without its state."""
-        assert self.shard_pool is not None and self.worker_pool is not None and self.ctx is not None
+        assert self.shard_gang is not None and self.worker_gang is not None and self.ctx is not None
         c = self.config
-        for pool in ((self.shard_pool, self.worker_pool) if shards else (self.worker_pool,)):
-            pool.call_all("where", timeout_s=c.step_timeout_s)  # evicts the dead; the pool starts replacements
-            pool.wait_ready(timeout_s=wait_s or c.step_timeout_s)
-        new: dict[int, Any] = {}
-        if shards:
-            kept, new = assign(c.shards, self.shards, self.shard_pool.actors())
-            if new:
-                ray.get([h.setup.remote(self.shard_config(i)) for i, h in new.items()], timeout=c.step_timeout_s)
-                self.fresh |= set(new)
-            self.shards = {**kept, **new}
-        kept_w, new_w = assign(c.workers, self.workers, self.worker_pool.actors())
-        if new_w:
-            bounds = np.cumsum([0] + split_by_speed(c.rows, [1.0] * c.workers)).tolist()
-            ray.get([h.setup.remote(self.worker_config(w, (bounds[w], bounds[w + 1]))) for w, h in new_w.items()], timeout=c.step_timeout_s)
-        self.workers = {**kept_w, **new_w}
+        wait = wait_s or c.step_timeout_s
+        new = self.shard_gang.form(timeout_s=wait) if shards else {}
+        new_w = self.worker_gang.form(timeout_s=wait)
         handles = [self.shards[i] for i in range(c.shards)]
-        ray.get([h.connect.remote(handles) for h in self.workers.values()], timeout=c.step_timeout_s)
+        self.worker_gang.call("connect", handles, timeout_s=c.step_timeout_s, grace_s=c.step_timeout_s)
         if new or new_w:
             self.ctx.log.event("ps_actors", new_shards=sorted(new), new_workers=sorted(new_w))
 
@@ -227,8 +222,12 @@ class PSCTRWorkload(BaseWorkload):
         c = self.config
         first, last = step * c.clocks_per_step, (step + 1) * c.clocks_per_step
         t0 = time.perf_counter()
-        calls = {w: h.run.remote(first, last) for w, h in self.workers.items()}
-        results = self._gather(calls, step)
+        try:
+            # On the first failure the other workers get 2 s, then are killed (replaced on recovery).
+            results = self.worker_gang.call("run", first, last, timeout_s=c.step_timeout_s, grace_s=2.0)
+        except (GroupLost, CallTimeoutError) as exc:
+            # A dead shard is named as the loss, not the workers whose pulls it failed.
+            raise (self._shard_loss(f"step {step}") or exc) from exc
         seconds = time.perf_counter() - t0
         self.fresh.clear()
         losses = [x for r in results.values() for x in r["losses"]]
@@ -245,7 +244,7 @@ class PSCTRWorkload(BaseWorkload):
         """Numbers of the shards whose actor is gone. A shard that does not answer within a
         few seconds counts as alive: a slow shard is a timeout, not a loss."""
         probes = {i: h.where.remote() for i, h in self.shards.items()}
-        dead = []
+        dead = [] if self.shard_gang is None else self.shard_gang.missing()
         for i, ref in probes.items():
             try:
                 ray.get(ref, timeout=5.0)
@@ -270,51 +269,6 @@ class PSCTRWorkload(BaseWorkload):
             return fn()
         except LOST as exc:
             raise (self._shard_loss(during) or exc) from exc
-
-    def _gather(self, calls: dict[int, Any], step: int) -> dict[int, Any]:
-        """Every worker's result; on the first failure, the rest get a few seconds, then the
-        error: a lost actor or a timed-out wait is recoverable (the unfinished workers are
-        replaced on recovery; a dead shard is named as the loss, not the workers whose
-        pulls it failed), any other error is a bug."""
-        c = self.config
-        pending = {ref: w for w, ref in calls.items()}
-        results: dict[int, Any] = {}
-        errors: dict[int, BaseException] = {}
-        deadline = time.monotonic() + c.step_timeout_s
-        failed_at: float | None = None
-        while pending:
-            limit = deadline if failed_at is None else min(deadline, failed_at + 2.0)
-            if time.monotonic() >= limit:
-                break
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.01, min(1.0, limit - time.monotonic())))
-            for ref in done:
-                w = pending.pop(ref)
-                try:
-                    results[w] = ray.get(ref, timeout=10)
-                except Exception as exc:  # noqa: BLE001 - judged below
-                    errors[w] = exc
-                    failed_at = failed_at or time.monotonic()
-        if not errors and not pending:
-            return results
-        self.stuck = [self.workers[w] for w in pending.values()]
-        lost = [e for e in errors.values() if isinstance(e, LOST) or isinstance(getattr(e, "cause", None), (TimeoutError,) + LOST)]
-        shard_loss = self._shard_loss(f"step {step}") if lost or pending or any(isinstance(e, TimeoutError) for e in errors.values()) else None
-        if shard_loss is not None:
-            err: PoolError = shard_loss
-        elif pending and not errors:
-            err = CallTimeoutError(f"workers {sorted(pending.values())} did not finish their clocks within {c.step_timeout_s:g} s")
-        elif lost or any(isinstance(e, TimeoutError) for e in errors.values()):
-            err = StepFailed("; ".join(f"worker {w}: {type(e).__name__}: {str(e).splitlines()[0][:200]}" for w, e in sorted(errors.items())))
-        else:
-            grouped: dict[str, list[str]] = {}
-            for w, e in errors.items():
-                cause = getattr(e, "cause", e)
-                grouped.setdefault(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}", []).append(f"worker {w}")
-            err = WorkError("run", grouped)
-        if shard_loss is None:
-            err.role = WORKERS
-            err.actor = ",".join(str(w) for w in sorted(errors) + sorted(pending.values()))
-        raise err
 
     def evaluate(self) -> float:
         """The held-out AUC of the model as the shards hold it now."""
@@ -368,13 +322,8 @@ class PSCTRWorkload(BaseWorkload):
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.config.target_auc > 0 and metrics["auc"] >= self.config.target_auc
 
-    def pools(self) -> dict[str, TaskPool]:
-        out = {}
-        if self.shard_pool is not None:
-            out[SHARDS] = self.shard_pool
-        if self.worker_pool is not None:
-            out[WORKERS] = self.worker_pool
-        return out
+    def pools(self) -> dict[str, Gang]:
+        return {role: g for role, g in ((SHARDS, self.shard_gang), (WORKERS, self.worker_gang)) if g is not None}
 
     def on_event(self, event: Any) -> bool:
         """A node is leaving or gone: the driver has evacuated (notice) or evicted (loss) its
@@ -382,7 +331,7 @@ class PSCTRWorkload(BaseWorkload):
         fail on a dead worker. (A lost shard fails the next step and is restored on recovery.)"""
         from raylane.preemption import NodeLeaving, NodeLost
 
-        if isinstance(event, (NodeLeaving, NodeLost)) and self.shard_pool is not None:
+        if isinstance(event, (NodeLeaving, NodeLost)) and self.shard_gang is not None:
             try:
                 self._ensure_actors(shards=False, wait_s=30.0)
             except (PoolError, TimeoutError) as exc:  # no room yet: the next step fails over to recovery
@@ -390,20 +339,17 @@ class PSCTRWorkload(BaseWorkload):
         return False
 
     def recover(self, ctx: Context, error: BaseException) -> None:
-        """Replace what was lost: workers still inside a failed step are killed (stateless:
-        their replacements read the same rows), dead shards are replaced and marked for
-        restore from the checkpoint the driver loads next."""
+        """Replace what was lost (workers still inside a failed step were killed by the gang:
+        stateless, their replacements read the same rows); dead shards are replaced and marked
+        for restore from the checkpoint the driver loads next."""
         self.ctx = ctx
-        for h in self.stuck:
-            ray.kill(h, no_restart=True)
-        self.stuck = []
         self._ensure_actors()
 
     def close(self) -> None:
-        for pool in (self.worker_pool, self.shard_pool):
-            if pool is not None:
-                pool.shutdown()
-        self.worker_pool = self.shard_pool = None
+        for gang in (self.worker_gang, self.shard_gang):
+            if gang is not None:
+                gang.shutdown()
+        self.worker_gang = self.shard_gang = None
 
 
 JOB = JobSpec("ps_ctr", "A click-through-rate model on a sharded parameter server: sync, async or bounded-staleness workers, sparse embedding rows, shard-level recovery.", PSCTRConfig, PSCTRWorkload)
