@@ -2,8 +2,8 @@
 the samplers and the trainer read.
 
 A graph enters as a :class:`torch_geometric.data.Data` (see :data:`INPUT_FORMAT`), either
-generated (:func:`sbm_graph`) or read from plain arrays (:func:`load_graph`: ``.npy`` files,
-one ``.npz`` or Parquet, never pickle). :func:`make_data` refuses a conversion that would
+generated (:func:`sbm_graph`) or read from plain arrays (:func:`raylane.actors.graph_io.load_graph`:
+``.npy`` files, one ``.npz`` or Parquet, never pickle). :func:`make_data` refuses a conversion that would
 change a value (a fractional label, a mask holding 2) and :func:`validate_graph` every other
 flaw, each naming the array at fault, before any actor starts. :func:`to_shared` makes the
 edges two-way unless told otherwise (:func:`prepare_edges`) and turns the graph into
@@ -15,15 +15,14 @@ arrays go into the object store once and are read zero-copy by every actor on a 
 
 from __future__ import annotations
 
-import io
 import math
-import posixpath
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
 MASKS = ("train_mask", "val_mask", "test_mask")
+ARRAYS = ("x", "edge_index", "y") + MASKS  # every array a graph is given as
 INPUT_FORMAT = (
     "x: [N, F] finite numbers, one feature row per node; edge_index: [2, E] integer node ids 0..N-1, "
     "row 0 the sources and row 1 the targets; y: [N] integer class ids 0..C-1; "
@@ -139,83 +138,6 @@ def convert_arrays(**arrays) -> dict[str, np.ndarray]:
     return out
 
 
-# ----------------------------------------------------------------------------- loading
-
-_FILES = ("x", "edge_index", "y") + MASKS
-
-
-def load_graph(uri: str):
-    """Read a graph from ``uri`` (a local path or any pyarrow filesystem URI), without pickle.
-
-    Accepted layouts:
-
-    - a folder with ``x.npy``, ``edge_index.npy`` (shape [2, E]), ``y.npy`` and the three
-      boolean mask files ``train_mask.npy``, ``val_mask.npy``, ``test_mask.npy``;
-    - a single ``.npz`` file holding arrays with those names;
-    - a folder with ``edges.parquet`` (integer columns ``src``, ``dst``) and
-      ``nodes.parquet`` (one row per node in id order: ``y``, the three mask columns, and
-      the features as columns ``x0``, ``x1``, ... or one fixed-size list column ``x``).
-    """
-    from pyarrow import fs as pafs
-
-    filesystem, path = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), str(uri))
-    info = filesystem.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise GraphError(f"graph source {uri!r} does not exist (give a folder of .npy files, an .npz file, or a folder with nodes.parquet and edges.parquet)")
-
-    def read_npy(p):
-        with filesystem.open_input_file(p) as f:
-            return np.load(io.BytesIO(f.read()), allow_pickle=False)
-
-    if info.type == pafs.FileType.File:
-        if not path.endswith(".npz"):
-            raise GraphError(f"graph source {uri!r} is a file but not an .npz archive")
-        with filesystem.open_input_file(path) as f:
-            with np.load(io.BytesIO(f.read()), allow_pickle=False) as z:
-                missing = [k for k in _FILES if k not in z.files]
-                if missing:
-                    raise GraphError(f"{uri!r} lacks arrays {missing}; it has {sorted(z.files)}. The arrays: {INPUT_FORMAT}")
-                return make_data(**{k: z[k] for k in _FILES})
-    names = {posixpath.basename(i.path) for i in filesystem.get_file_info(pafs.FileSelector(path))}
-    if {"nodes.parquet", "edges.parquet"} <= names:
-        return _load_parquet(filesystem, path)
-    missing = [f"{k}.npy" for k in _FILES if f"{k}.npy" not in names]
-    if missing:
-        raise GraphError(f"graph folder {uri!r} lacks {missing} (or give nodes.parquet + edges.parquet); it has {sorted(names)}. The arrays: {INPUT_FORMAT}")
-    return make_data(**{k: read_npy(posixpath.join(path, f"{k}.npy")) for k in _FILES})
-
-
-def _load_parquet(filesystem, path: str):
-    import pyarrow.parquet as pq
-
-    edges = pq.read_table(posixpath.join(path, "edges.parquet"), filesystem=filesystem)
-    nodes = pq.read_table(posixpath.join(path, "nodes.parquet"), filesystem=filesystem)
-    for col in ("src", "dst"):
-        if col not in edges.column_names:
-            raise GraphError(f"edges.parquet lacks column {col!r}; it has {edges.column_names}")
-    for col in ("y",) + MASKS:
-        if col not in nodes.column_names:
-            raise GraphError(f"nodes.parquet lacks column {col!r}; it has {nodes.column_names}")
-    if "x" in nodes.column_names:
-        x = np.stack(nodes.column("x").to_numpy(zero_copy_only=False))
-    else:
-        cols = sorted((c for c in nodes.column_names if c[:1] == "x" and c[1:].isdigit()), key=lambda c: int(c[1:]))
-        if not cols:
-            raise GraphError("nodes.parquet has no features: give a list column 'x' or columns 'x0', 'x1', ...")
-        x = np.stack([nodes.column(c).to_numpy() for c in cols], axis=1)
-    ei = np.stack([edges.column("src").to_numpy(), edges.column("dst").to_numpy()])
-    return make_data(x, ei, nodes.column("y").to_numpy(), *(nodes.column(m).to_numpy(zero_copy_only=False) for m in MASKS))
-
-
-def save_graph(data, folder: str) -> None:
-    """Write ``data`` as a folder of ``.npy`` files that :func:`load_graph` reads back."""
-    import os
-
-    os.makedirs(folder, exist_ok=True)
-    for k in _FILES:
-        np.save(os.path.join(folder, f"{k}.npy"), getattr(data, k).numpy())
-
-
 # ----------------------------------------------------------------------------- validation
 
 
@@ -226,10 +148,10 @@ def validate_graph(data) -> dict[str, np.ndarray]:
     The node count is the length most arrays agree on (``x``'s rows in a tie), so a short
     ``y`` is blamed on ``y``, not on ``x``.
     """
-    for k in _FILES:
+    for k in ARRAYS:
         if getattr(data, k, None) is None:
             raise GraphError(f"graph has no {k!r}. The arrays: {INPUT_FORMAT}")
-    a = convert_arrays(**{k: getattr(data, k) for k in _FILES})
+    a = convert_arrays(**{k: getattr(data, k) for k in ARRAYS})
     x, ei, y = a["x"], a["edge_index"], a["y"]
     if x.ndim != 2:
         raise GraphError(f"x has shape {x.shape}: need [N, F], one feature row per node")

@@ -26,17 +26,18 @@ and the job reloads every layer from the checkpoint, re-split over the live stag
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 import torch
 
-from raylane.actors.gloo_link import GlooLink, Rendezvous, rendezvous, same_node
+from raylane.actors.gloo_link import GlooLink, LinkError, Rendezvous, rendezvous, same_node
 from raylane.actors.pipeline_compute import StageConfig, StageCore
 from raylane.actors.pipeline_schedules import Schedule, submission_order
-from raylane.errors import LOST
+from raylane.group.gang import gather_ranks
 
 
 def _node_id() -> str:
@@ -276,69 +277,61 @@ def pieces_for(sched: Schedule, ranges: Sequence[range]) -> list[dict[int, list[
     return out
 
 
-def train_batch(pipelines: Sequence[Sequence[Any]], sched: Schedule, batches: Sequence[tuple[Any, Any]], *, dispatch: str, timeout_s: float, step: bool = True) -> dict[str, Any]:
+def stage_broken(exc: BaseException) -> bool:
+    """A stage's error that means its pipeline broke (a peer failed, died or went silent),
+    not a bug in the stage: the gang's ``broken`` predicate for stages."""
+    return isinstance(exc, (Aborted, LinkError, TimeoutError, ConnectionError))
+
+
+def train_batch(pipelines: Sequence[Sequence[Any]], sched: Schedule, batches: Sequence[tuple[Any, Any]], *, dispatch: str, timeout_s: float,
+                step: bool = True, gather: Callable[..., dict[int, Any]] | None = None) -> dict[str, Any]:
     """One batch through every pipeline replica, then (``step``) the gradients of each
     stage averaged over the replicas and one optimizer step on every stage.
 
     ``batches[r]`` is replica ``r``'s ``(tokens, targets)``, each shaped ``[m, b, T]``.
     Each micro-batch's loss is scaled by ``1/m`` before its backward, so a replica's
     gradient is that of its mean loss, and the replicas' average that of the whole batch.
-    Returns ``{"losses": [m floats per replica], "steps": [per stage]}``; the first error
-    of any call is raised as Ray raised it (the other linked stages are aborted first).
+    Returns ``{"losses": [m floats per replica], "steps": [per stage]}``.
+
+    Stage ``s`` of replica ``r`` is rank ``r * p + s``. ``gather`` waits for the ranks'
+    calls and raises one error: the stages' gang's :meth:`~raylane.group.Gang.gather`
+    (which also kills a stage still stuck after the grace period), or by default
+    :func:`~raylane.group.gang.gather_ranks` for stages no gang owns. The error is
+    ``GroupLost`` when a stage was lost or the pipeline broke, a grouped ``WorkError``
+    when a stage's code raised. At the first failure the linked stages are told to
+    abort, so none waits out its timeout.
     """
     if dispatch not in ("driver", "linked"):
         raise ValueError(f"dispatch must be 'driver' or 'linked', got {dispatch!r}")
     scale = 1.0 / sched.m
-    loss_refs, run_refs = [], []
-    for stages, (tokens, targets) in zip(pipelines, batches):
+    p, last = sched.p, sched.where(sched.virtual_stages - 1)[0]
+    calls: dict[int, list[Any]] = {r * p + s: [] for r in range(len(pipelines)) for s in range(p)}
+    for r, (stages, (tokens, targets)) in enumerate(zip(pipelines, batches)):
         if dispatch == "driver":
-            loss_refs.append(submit_ops(stages, sched, [ray.put(t) for t in tokens], [ray.put(t) for t in targets], scale))
+            calls[r * p + last] += submit_ops(stages, sched, [ray.put(t) for t in tokens], [ray.put(t) for t in targets], scale)
         else:
-            run_refs.append(submit_linked(stages, sched, tokens, targets, scale, timeout_s))
-    step_refs: list[Any] = []
+            for s, ref in enumerate(submit_linked(stages, sched, tokens, targets, scale, timeout_s)):
+                calls[r * p + s].append(ref)
     if step:
-        if len(pipelines) == 1:
-            step_refs = [h.step.remote() for h in pipelines[0]]
-        else:
-            grads = [[h.grads.remote() for h in stages] for stages in pipelines]
-            step_refs = [h.step.remote(*[grads[q][s] for q in range(len(pipelines)) if q != r]) for r, stages in enumerate(pipelines) for s, h in enumerate(stages)]
-    try:
-        if dispatch == "driver":
-            flat = wait_all([ref for refs in loss_refs for ref in refs] + step_refs, timeout_s)
-            losses = [[float(x) for x in flat[r * sched.m:(r + 1) * sched.m]] for r in range(len(pipelines))]
-            steps = flat[len(pipelines) * sched.m:]
-        else:
-            flat = wait_all([ref for refs in run_refs for ref in refs] + step_refs, timeout_s)
-            p = sched.p
-            last = sched.where(sched.virtual_stages - 1)[0]
-            losses = [list(flat[r * p + last]) for r in range(len(pipelines))]
-            steps = flat[len(pipelines) * p:]
-    except BaseException as first:
+        grads = [[h.grads.remote() for h in stages] for stages in pipelines] if len(pipelines) > 1 else []
+        for r, stages in enumerate(pipelines):
+            for s, h in enumerate(stages):
+                calls[r * p + s].append(h.step.remote(*[grads[q][s] for q in range(len(pipelines)) if q != r]))
+
+    def abort() -> None:
         if dispatch == "linked":
             for stages in pipelines:
                 for h in stages:
                     h.abort.remote()
-        # A stage that died shows first as its peers' errors (a closed connection, an
-        # abort); when one of the batch's calls ends with a lost actor, that is the error.
-        everything = [ref for refs in (loss_refs or run_refs) for ref in refs] + step_refs
-        lost = _lost_error(everything, grace_s=min(10.0, timeout_s))
-        if lost is not None and lost is not first:
-            raise lost from first
-        raise
+
+    wait = gather or functools.partial(gather_ranks, broken=stage_broken, rank_name="stage")
+    out = wait({k: v for k, v in calls.items() if v}, what="train_batch", timeout_s=timeout_s, grace_s=min(10.0, timeout_s), on_failure=abort)
+    if dispatch == "driver":
+        losses = [[float(x) for x in out[r * p + last][: sched.m]] for r in range(len(pipelines))]
+    else:
+        losses = [list(out[r * p + last][0]) for r in range(len(pipelines))]
+    steps = [out[k][-1] for k in sorted(calls)] if step else []
     return {"losses": losses, "steps": steps}
-
-
-def _lost_error(refs: Sequence[Any], grace_s: float) -> BaseException | None:
-    """The first lost-actor error among ``refs`` once they have ended (at most ``grace_s``)."""
-    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=grace_s, fetch_local=False)
-    for ref in done:
-        try:
-            ray.get(ref, timeout=1.0)
-        except LOST as exc:
-            return exc
-        except Exception:  # noqa: BLE001 - any other outcome is not a lost stage
-            continue
-    return None
 
 
 def measured_bubble(steps: Sequence[dict[str, Any]]) -> float:
@@ -351,18 +344,3 @@ def measured_bubble(steps: Sequence[dict[str, Any]]) -> float:
         return float("nan")
     makespan = max(b for _, b in spans) - min(a for a, _ in spans)
     return 1.0 - sum(s["busy_s"] for s in steps) / (len(steps) * makespan) if makespan > 0 else 0.0
-
-
-def wait_all(refs: Sequence[Any], timeout_s: float) -> list[Any]:
-    """Every result, in order; raises the first error as soon as it is known, and
-    ``TimeoutError`` naming how many are unfinished after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{len(pending)} of {len(refs)} pipeline calls unfinished after {timeout_s:g} s")
-        done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.5), fetch_local=False)
-        for ref in done:
-            ray.get(ref, timeout=max(1.0, left))  # raises the call's error now
-    return ray.get(list(refs), timeout=max(1.0, deadline - time.monotonic()))

@@ -24,14 +24,15 @@ import ray
 
 from raylane import config as cfg
 from raylane.actors.gnn_sampler import GNNSamplerActor, SamplerConfig
-from raylane.actors.graph import FEATURE_DTYPES, SharedGraph, load_graph, sbm_graph, to_shared
+from raylane.actors.graph import FEATURE_DTYPES, SharedGraph, sbm_graph, to_shared
+from raylane.actors.graph_io import load_graph
 from raylane.actors.sage import GNNTrainerActor, GNNTrainerConfig
 from raylane.actors.sampling import check_fanouts, epoch_plan
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
-from raylane.group import TaskPool, PoolError
+from raylane.group import TaskPool
 from raylane.registry import JobSpec
 
 SAMPLERS, TRAINER = "gnn_sampler", "gnn_trainer"
@@ -233,13 +234,10 @@ class GraphSAGEWorkload(BaseWorkload):
                 part, index = self.plan[pos]
                 self._inflight[b] = self.samplers.submit("batch", epoch, part, index)
 
-    def _trainer_call(self, method: str, *args: Any) -> Any:
-        assert self.trainer is not None
-        self.trainer.wait_for(1, timeout_s=180)
-        results = self.trainer.call_all(method, *args, timeout_s=max(300.0, self.config.batch_timeout_s), require_all=True)
-        if len(results) != 1:
-            raise PoolError(f"expected one trainer to answer {method!r}, got {len(results)}")
-        return results[0]
+    @property
+    def trainer_wait_s(self) -> float:
+        """How long a whole-state call of the trainer may take (state, load, evaluation)."""
+        return max(300.0, self.config.batch_timeout_s)
 
     def _await(self, pool: TaskPool, ticket: int, *, other: TaskPool, ref: bool = False) -> Any:
         """The result of ``ticket`` (with ``ref``: and its ObjectRef), keeping ``other``
@@ -318,7 +316,7 @@ class GraphSAGEWorkload(BaseWorkload):
         if coverage["min_visits"] != 1 or coverage["max_visits"] != 1 or outside:
             raise RuntimeError(f"epoch {epoch} did not visit every training seed exactly once: {coverage}")
         self.coverage[:] = 0
-        self.last_eval = self._trainer_call("evaluate")
+        self.last_eval = self.trainer.call_one("evaluate", timeout_s=self.trainer_wait_s)
         return {**self.last_eval, "epochs_done": epoch + 1}
 
     def progress_of(self, step: int, metrics: dict[str, Any]) -> tuple[float, float, str]:
@@ -332,7 +330,7 @@ class GraphSAGEWorkload(BaseWorkload):
 
     def state_dict(self) -> dict:
         return {
-            "trainer": self._trainer_call("state"),
+            "trainer": self.trainer.call_one("state", timeout_s=self.trainer_wait_s),
             "cursor": self.cursor,
             "coverage": self.coverage.copy(),
             "last_eval": dict(self.last_eval),
@@ -343,7 +341,7 @@ class GraphSAGEWorkload(BaseWorkload):
         if int(state["plan_len"]) != len(self.plan):
             raise ValueError(f"the checkpoint is of a run with {state['plan_len']} batches per epoch, this config makes {len(self.plan)}: "
                              "resume with the same graph, samplers and batch_size, or start a new run name")
-        self._trainer_call("load_state", state["trainer"])
+        self.trainer.call_one("load_state", state["trainer"], timeout_s=self.trainer_wait_s)
         self.cursor = int(state["cursor"])
         self.coverage = np.asarray(state["coverage"], dtype=np.int32).copy()
         self.last_eval = dict(state["last_eval"])
@@ -352,12 +350,7 @@ class GraphSAGEWorkload(BaseWorkload):
         self._inflight = {}
 
     def pools(self) -> dict[str, TaskPool]:
-        out = {}
-        if self.trainer is not None:
-            out[TRAINER] = self.trainer
-        if self.samplers is not None:
-            out[SAMPLERS] = self.samplers
-        return out
+        return {role: p for role, p in ((TRAINER, self.trainer), (SAMPLERS, self.samplers)) if p is not None}
 
     def recover(self, ctx: Context, error: BaseException) -> None:
         # The pools replace dead actors; a lost trainer comes back empty and the driver

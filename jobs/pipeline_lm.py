@@ -11,10 +11,10 @@ recovered or resumed run trains on exactly the batches an uninterrupted one woul
 
 Checkpoints hold every layer's parameters and optimizer state by layer index, so they
 can be cut differently on load. A lost stage (its actor or its node): the others drop
-the batch, the pool replaces the stage where capacity allows, the layers are split again
+the batch, the stages' gang replaces the stage where capacity allows, the layers are split again
 over the stages that are live (fewer per pipeline if no replacement fits) and every layer
 is reloaded from the last checkpoint. When capacity comes back the pipeline is split
-again over the larger pool at the next step, from the live state (nothing is lost).
+again over the larger gang at the next step, from the live state (nothing is lost).
 
     raylane run pipeline_lm
     raylane run pipeline_lm --set schedule=interleaved --set chunks=2 --set stages=2 --set micro_batches=4
@@ -38,13 +38,13 @@ from raylane import config as cfg
 from raylane.actors import corpus, gpt
 from raylane.actors import pipeline_schedules as S
 from raylane.actors.pipeline_split import split_virtual, stage_loads
-from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, measured_bubble, pieces_for, train_batch
+from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, measured_bubble, pieces_for, stage_broken, train_batch
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.preemption import NodeLeaving
-from raylane.group import TaskPool, CallTimeoutError, PoolError
+from raylane.group import CallTimeoutError, Gang, PoolError
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class PipelineLMWorkload(BaseWorkload):
         if len(self.train_tokens) < self.model.seq_len + 2 or len(self.val_tokens) < self.model.seq_len + 1:
             raise ValueError(f"text_chars={config.text_chars} with val_fraction={config.val_fraction} leaves too little text for seq_len={self.model.seq_len}")
         self.costs: list[float] = []
-        self.pool: TaskPool | None = None
+        self.gang: Gang | None = None  # elastic: rank r * p + s is stage s of replica r in the current layout
         self.ctx: Context | None = None
         self.layout: Layout | None = None
         self._kept: dict[str, Any] | None = None  # layer states read for a hand-off that failed, until reloaded
@@ -219,18 +219,19 @@ class PipelineLMWorkload(BaseWorkload):
         stage = StageConfig(self.model, lr=c.lr, weight_decay=c.weight_decay, recompute=c.recompute, threads=max(1, int(c.stage_cpus)),
                             link_timeout_s=c.link_timeout_s or None)
         cls = LinkedStage if c.dispatch == "linked" else PipelineStage
-        self.pool = TaskPool(self.roles()[0], cls, actor_args=lambda key: ((stage,), {}), size=c.stages * c.replicas, start_timeout_s=c.start_timeout_s)
-        self.pool.wait_ready(timeout_s=c.start_timeout_s)
+        self.gang = Gang(self.roles()[0], cls, actor_args=lambda key: ((stage,), {}), size=c.stages * c.replicas, start_timeout_s=c.start_timeout_s,
+                         elastic=True, broken=stage_broken, rank_name="stage")
+        self.gang.wait_ready(timeout_s=c.start_timeout_s)
         self._relayout(states=None)
 
     # ------------------------------------------------------------ layout and state
 
     def _relayout(self, states: dict[str, Any] | None) -> None:
-        """Cut the layers over the pool's live actors; load ``states`` (layer index -> state)
-        into them, or the fresh initial layers when None."""
-        assert self.pool is not None and self.ctx is not None
+        """Cut the layers over the gang's live actors and deal them their ranks; load
+        ``states`` (layer index -> state) into them, or the fresh initial layers when None."""
+        assert self.gang is not None and self.ctx is not None
         c = self.config
-        live = self.pool.actors()
+        live = self.gang.actors()
         where = ray.get([h.where.remote() for h in live], timeout=c.start_timeout_s)
         known = {n.node_id: n.speed for n in self.ctx.cluster.nodes}
         speeds = [known.get(w["node"], 1.0) for w in where]
@@ -242,6 +243,7 @@ class PipelineLMWorkload(BaseWorkload):
                 needed = None if states is None else {str(i): states[str(i)] for ids in layout.pieces[s].values() for i in ids}
                 loads.append(h.load.remote(layout.pieces[s], last, needed))
         ray.get(loads, timeout=c.start_timeout_s)
+        self.gang.deal([h for stages in layout.pipelines for h in stages])
         if c.dispatch == "linked":
             connect_linked(layout.pipelines, c.transport, c.step_timeout_s)
         self.layout = layout
@@ -280,10 +282,10 @@ class PipelineLMWorkload(BaseWorkload):
 
     def _maybe_grow(self) -> None:
         """Capacity came back: spread the layers over more stages, from the live state."""
-        assert self.pool is not None and self.layout is not None
+        assert self.gang is not None and self.layout is not None
         c = self.config
-        self.pool.poll()  # stages are called directly, not through the pool: let it see new actors ready
-        live = self.pool.actors()
+        self.gang.refresh()  # take in replacements that became ready since the last step
+        live = self.gang.actors()
         if self.layout.sched.p < c.stages and len(live) // c.replicas > self.layout.sched.p:
             before = self.layout.sched.p
             self._relayout(states=self._gather_state())
@@ -292,14 +294,14 @@ class PipelineLMWorkload(BaseWorkload):
 
     def on_event(self, event: Any) -> bool:
         """A preemption notice for a node that holds stages: hand its layers over now, from
-        the live state, to the stages elsewhere (the pool starts replacements where there is
+        the live state, to the stages elsewhere (the gang starts replacements where there is
         room; the next steps grow onto them), so the node can go without a failed step or a
         replay. Returns True (checkpoint at once) when there is nowhere to hand them, or the
         hand-off failed (the state read from the stages is what that checkpoint holds)."""
-        if not isinstance(event, NodeLeaving) or self.layout is None or self.pool is None:
+        if not isinstance(event, NodeLeaving) or self.layout is None or self.gang is None:
             return False
         c = self.config
-        live = self.pool.actors()
+        live = self.gang.actors()
         where = ray.get([h.where.remote() for h in live], timeout=c.step_timeout_s)
         leaving = sum(1 for w in where if w["node"] == event.node_id)
         if not leaving:
@@ -311,7 +313,7 @@ class PipelineLMWorkload(BaseWorkload):
             return True
         before = self.layout.sched.p
         states = self._gather_state()
-        self.pool.evacuate(event.node_id, "preemption notice: its layers are handed to the other stages")
+        self.gang.evacuate(event.node_id, "preemption notice: its layers are handed to the other stages")
         try:
             self._relayout(states=states)
         except Exception as exc:  # noqa: BLE001 - keep the gathered state: it is checkpointed now and reloaded on recovery
@@ -333,7 +335,8 @@ class PipelineLMWorkload(BaseWorkload):
             x, y = corpus.batch(self.train_tokens, c.micro_batches, c.micro_batch_size, self.model.seq_len, seed=c.seed, step=step, replica=r)
             batches.append((torch.from_numpy(x), torch.from_numpy(y)))
         t0 = time.perf_counter()
-        out = train_batch(lay.pipelines, lay.sched, batches, dispatch=c.dispatch, timeout_s=c.step_timeout_s)
+        assert self.gang is not None
+        out = train_batch(lay.pipelines, lay.sched, batches, dispatch=c.dispatch, timeout_s=c.step_timeout_s, gather=self.gang.gather)
         seconds = time.perf_counter() - t0
         losses = [x for per in out["losses"] for x in per]
         self.last_loss = float(np.mean(losses))
@@ -362,28 +365,28 @@ class PipelineLMWorkload(BaseWorkload):
         ctx.log.event("final", val_loss=val)
         log.info("pipeline_lm: held-out loss %.4f; sample: %r", val, text[:80])
 
-    def pools(self) -> dict[str, TaskPool]:
-        return {} if self.pool is None else {ROLE: self.pool}
+    def pools(self) -> dict[str, Gang]:
+        return {} if self.gang is None else {ROLE: self.gang}
 
     def recover(self, ctx: Context, error: BaseException) -> None:
         """After a lost stage: replace dead stages where capacity allows, and cut the layers
         over whatever is live; the driver then reloads every layer from the checkpoint."""
-        assert self.pool is not None
+        assert self.gang is not None
         self.ctx = ctx
         c = self.config
-        self.pool.call_all("where", timeout_s=c.start_timeout_s)  # evicts the dead; the pool starts replacements
+        self.gang.probe(timeout_s=c.start_timeout_s)  # evicts the dead (the gang's gather evicted those it saw); replacements start
         try:
-            self.pool.wait_ready(timeout_s=c.replace_timeout_s)
+            self.gang.wait_ready(timeout_s=c.replace_timeout_s)
         except CallTimeoutError as exc:  # no room for a replacement now: go on with fewer stages
-            ctx.log.event("pipeline_shrink", live=len(self.pool.actors()), reason=str(exc)[:300])
-        if len(self.pool.actors()) < c.replicas:
-            self.pool.wait_for(c.replicas, timeout_s=c.start_timeout_s)
+            ctx.log.event("pipeline_shrink", live=len(self.gang.actors()), reason=str(exc)[:300])
+        if len(self.gang.actors()) < c.replicas:
+            self.gang.wait_for(c.replicas, timeout_s=c.start_timeout_s)
         self.layout = None
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
+        if self.gang is not None:
+            self.gang.shutdown()
+            self.gang = None
 
 
 def assemble(c: gpt.GPTConfig, layers: dict[str, Any]) -> torch.nn.Sequential:

@@ -27,7 +27,7 @@ from raylane.workload import BaseWorkload
 from raylane.jobs import gym_envs
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
-from raylane.group import TaskPool, PoolError
+from raylane.group import Gang, Membership, PoolError, TaskPool
 from raylane.registry import JobSpec
 from raylane.runlog import read_jsonl
 
@@ -133,7 +133,7 @@ class PPOWorkload(BaseWorkload):
         self.episodes = 0
         self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)
         self.workers: TaskPool | None = None
-        self.learner: TaskPool | None = None
+        self.learner: Gang | None  # a gang of one = None
         self._weights_ref = None
         self._seeds_logged: set[int] = set()
         self._inflight: list[int] | None = None
@@ -169,21 +169,19 @@ class PPOWorkload(BaseWorkload):
         self._ctx = ctx
         roles = {r.name: r for r in self.roles()}
         lc = self._learner_config()
-        self.learner = TaskPool(roles[LEARNER], LearnerActor, actor_args=lambda key: ((lc,), {}), size=1, call_timeout_s=300)
+        self.learner = Gang(roles[LEARNER], LearnerActor, actor_args=lambda key: ((lc,), {}), size=1, rank_name="learner", start_timeout_s=180)
         size = max(1, min(c.workers, ctx.count(WORKERS)))
         self.workers = TaskPool(roles[WORKERS], RolloutWorker, actor_args=self._worker_args, size=size, call_timeout_s=c.sample_timeout_s, on_timeout="retry")
-        self.learner.wait_ready(timeout_s=180)
+        self.learner.form(timeout_s=180)
         self.workers.wait_ready(timeout_s=180)
         self._refresh_weights()
 
     def _learner_call(self, method: str, *args: Any) -> Any:
-        """A call that must reach the one live learner (its state is the job's state)."""
+        """The one learner's answer (a gang of one: lost, it raises ``GroupLost`` and its
+        replacement takes rank 0 on the next call; its state is the job's state)."""
         assert self.learner is not None
-        self.learner.wait_for(1, timeout_s=180)
-        results = self.learner.call_all(method, *args, timeout_s=300, require_all=True)
-        if len(results) != 1:
-            raise PoolError(f"expected one learner to answer {method!r}, got {len(results)}")
-        return results[0]
+        self.learner.form(timeout_s=180)
+        return self.learner.call(method, *args, timeout_s=300, grace_s=0.0)[0]
 
     def _refresh_weights(self) -> None:
         self._weights_ref = ray.put(self._learner_call("weights"))
@@ -239,8 +237,7 @@ class PPOWorkload(BaseWorkload):
                 self._ctx.log.event("worker_seeds", env=c.env_id, seeds=b["seeds"])
         self.env_steps += new_steps
         progress = min(1.0, self.env_steps / c.total_env_steps)
-        ticket = self.learner.submit("update", [_strip(b) for b in batches], progress, retry=False)
-        stats, weights = self.learner.gather([ticket], timeout_s=300)[ticket]
+        stats, weights = self._learner_call("update", [_strip(b) for b in batches], progress)
         self._weights_ref = ray.put(weights)
         t2 = time.perf_counter()
         self._waited = (t1 - t0) / max(t2 - t0, 1e-9)
@@ -290,19 +287,14 @@ class PPOWorkload(BaseWorkload):
         self._inflight = None
         self._refresh_weights()
 
-    def pools(self) -> dict[str, TaskPool]:
-        out = {}
-        if self.learner is not None:
-            out[LEARNER] = self.learner
-        if self.workers is not None:
-            out[WORKERS] = self.workers
-        return out
+    def pools(self) -> dict[str, Membership]:
+        return {role: p for role, p in ((LEARNER, self.learner), (WORKERS, self.workers)) if p is not None}
 
     def recover(self, ctx: Context, error: BaseException) -> None:
         # The pools already replace dead actors; a lost learner comes back empty and the
         # driver reloads the last checkpoint into it right after this.
         assert self.learner is not None and self.workers is not None
-        self.learner.wait_for(1, timeout_s=180)
+        self.learner.form(timeout_s=180)
         self.workers.wait_for(1, timeout_s=180)  # not the full target: capacity may be gone
 
     def finish(self, ctx: Context) -> None:

@@ -135,15 +135,26 @@ class Prepared:
     objective: ObjectiveChoice
 
 
+# The last few configs' peeks at their data (validate and build each call prepare), keyed
+# by the config's values and the source file's size and time, so a changed file is read again.
+_PREPARED: dict[str, Prepared] = {}
+
+
+def _source_stamp(source: str) -> list[int]:
+    try:
+        st = os.stat(source)
+    except (OSError, ValueError):  # not a local path (a bundled set, a URI): its name is the key
+        return []
+    return [st.st_size, st.st_mtime_ns]
+
+
 def prepare(c: XGBoostJobConfig) -> Prepared:
     """Check the config against the data (schema, labels, row count) and settle the params.
-
-    Cached on the config object for its current values, so validate and build peek once.
-    """
-    key = json.dumps(cfg.to_dict({k: v for k, v in vars(c).items() if not k.startswith("_") and k != "driver"}), sort_keys=True, default=str)
-    cached = c.__dict__.get("_prepared")
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    Remembered for the config's current values, so validate and build peek once."""
+    values = cfg.to_dict({k: v for k, v in vars(c).items() if not k.startswith("_") and k != "driver"})
+    key = json.dumps([values, _source_stamp(c.data.source)], sort_keys=True, default=str)
+    if key in _PREPARED:
+        return _PREPARED[key]
     params = static_params(c.params)  # names and objective, before the data is read
     d = c.data
     table, labels = tabular.describe(d.source, label=d.label, features=d.features, fmt=d.format, rows=d.rows, num_features=d.num_features, seed=d.seed)
@@ -160,7 +171,9 @@ def prepare(c: XGBoostJobConfig) -> Prepared:
     params, objective = objective_params(params, labels)
     evals = tuple(name for name, on in (("train", c.eval_train), ("eval", d.eval_fraction > 0)) if on)
     prepared = Prepared(table, params, evals, probe(params, labels), params["tree_method"] == "hist", objective)
-    c.__dict__["_prepared"] = (key, prepared)
+    _PREPARED[key] = prepared
+    while len(_PREPARED) > 8:
+        _PREPARED.pop(next(iter(_PREPARED)))
     return prepared
 
 
@@ -207,7 +220,7 @@ class XGBoostWorkload(BaseWorkload):
         self.gang: Gang | None = None  # rank i holds shard i
         self.ctx: Context | None = None
         self.shards: list[Shard] = []
-        self.members: dict[int, dict[str, Any]] = {}  # shard index -> its trainer's node, pid, rows
+        self._joined: dict[int, dict[str, Any]] = {}  # shard index -> what its trainer reported on loading it (node, pid, rows)
         self.group = 0  # bumped whenever the group changes: every trainer then rebuilds its matrices
         self.stream: _Stream | None = None
         self.model: bytes | None = None
@@ -238,9 +251,10 @@ class XGBoostWorkload(BaseWorkload):
         if not infos:
             return
         kept = [i for i in range(len(self.shards)) if i not in infos]
-        self.members = {**{i: self.members[i] for i in kept}, **infos}
+        self._joined = {**{i: self._joined[i] for i in kept}, **infos}
         self.group += 1
-        event = {"group": self.group, "loaded": sorted(infos), "kept": kept, "nodes": {str(i): infos[i]["node"] for i in sorted(infos)}, "seconds": round(time.monotonic() - t0, 3)}
+        event = {"group": self.group, "loaded": sorted(infos), "kept": kept, "nodes": {str(i): infos[i]["node"] for i in sorted(infos)},
+                 "pids": {str(i): infos[i]["pid"] for i in sorted(infos)}, "seconds": round(time.monotonic() - t0, 3)}
         self.ctx.log.event("xgboost_group", **event)
 
     def _join(self, rank: int, trainer: Any) -> Any:
@@ -297,7 +311,7 @@ class XGBoostWorkload(BaseWorkload):
     def _start_stream(self) -> _Stream:
         c = self.config
         # Loopback when the whole group is on this node: nothing of it then listens beyond it.
-        host = tracker_host([m["node"] for m in self.members.values()], ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        host = tracker_host([m["node"] for m in self._joined.values()], ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         tracker = Tracker(len(self.shards), c.collective_timeout_s, host)
         args = tracker.worker_args()
         model_ref = None if self.model is None else ray.put(self.model)

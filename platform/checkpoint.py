@@ -238,6 +238,11 @@ class CheckpointStore:
         """Newest valid checkpoint, skipping (with a warning) corrupted ones; None if none."""
         return self._newest(load=False)[0]
 
+    def hint(self) -> str:
+        """One sentence for an error message: where the last good checkpoint is, if any."""
+        latest = self.latest()
+        return f"The last good checkpoint is step {latest.step} at {latest.path}." if latest else "No checkpoint was written."
+
     def newest(self) -> tuple[CheckpointInfo | None, dict | None, list[str]]:
         """(info, state) of the newest checkpoint that is whole and loads, with why each
         newer one was skipped (also warned about); (None, None, reasons) when none loads.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import os
 import signal
 import time
@@ -30,26 +29,16 @@ from typing import Any, Callable
 from raylane.checkpoint import CheckpointStore
 from raylane.cluster import ClusterView
 from raylane.elastic import Elasticity
-from raylane.placement import fmt_res, plan, shortfalls
+from raylane.placement import plan
 from raylane.plots import plot_run
-from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, ScalingPolicy
+from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, ScalingPolicy, non_finite
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
 from raylane.runlog import Progress, RunLog
 from raylane.runlog import say as _say
 from raylane.runpaths import check_run_name
 from raylane.signals import SignalTap
 from raylane.workload import (  # noqa: F401 - the contract's names are also raylane.driver's
-    BaseWorkload,
-    Context,
-    DriverConfig,
-    DriverError,
-    NonFiniteError,
-    RayGone,
-    RunAborted,
-    Workload,
-    default_run_name,
-    hook,
-    is_recoverable,
+    BaseWorkload, Context, DriverConfig, DriverError, NonFiniteError, RayGone, RunAborted, Workload, default_run_name, hook, is_recoverable,
 )
 
 log = logging.getLogger(__name__)
@@ -265,17 +254,9 @@ class Driver:
         the_plan = plan(roles, cluster)
         self._ctx = Context(cluster, the_plan, store, self.run_dir, runlog)
         runlog.event("plan", assignments=[a.__dict__ for a in the_plan.assignments])
-        short = shortfalls(roles, the_plan)
-        for s in short:
-            runlog.event("shortfall", **s)
-            _say(f"{s['role']}: asked for {s['asked']}, the cluster holds {s['got']} now; missing {fmt_res(s['missing'])}. "
-                 f"Running with {s['got']}; " + (f"the pool grows toward {s['asked']} as room appears." if self.config.autoscale
-                                                  else "driver.autoscale is off: `raylane scale` grows it."))
+        short = self._elastic.report_shortfalls(roles, the_plan, runlog)
         self.workload.setup(self._ctx)
-        pools = self.workload.pools()
-        for s in short:  # the ask stands: the pool grows back to it when nodes with room join
-            if s["role"] in pools:
-                self._elastic.wanted[s["role"]] = s["asked"]
+        self._elastic.keep_asks(short)
         if self.poll_events and self._monitor is None:
             self._monitor = PreemptionMonitor()
         self._elastic.start(self._ctx, self.step, control=self.config.control)
@@ -326,23 +307,13 @@ class Driver:
         return bool(self.config.max_wall_s) and time.time() - started >= self.config.max_wall_s
 
     def _check_finite(self, metrics: dict[str, Any]) -> None:
-        for key in self.workload.guarded_metrics:
-            value = metrics.get(key)
-            try:
-                value = float(value)  # plain, numpy and 0-d tensor numbers alike
-            except (TypeError, ValueError):
-                continue
-            if not math.isfinite(value):
-                raise NonFiniteError(
-                    f"metric {key!r} is {value} at step {self.step + 1}; the step's update was not checkpointed. "
-                    f"{self._ckpt_hint()} Lower the learning rate or check the inputs, then run again with the same run name."
-                )
+        if (bad := non_finite(metrics, self.workload.guarded_metrics)) is not None:
+            raise NonFiniteError(f"metric {bad[0]!r} is {bad[1]} at step {self.step + 1}; the step's update was not checkpointed. "
+                                 f"{self._ckpt_hint()} Lower the learning rate or check the inputs, then run again with the same run name.")
 
     def _measures(self, started: float, metrics: dict[str, Any]) -> list[tuple[float, float, str]]:
         """How far the run is toward each rule that can stop it, as (done, total, unit)."""
-        out = [(float(self.step), float(self.config.max_steps), "steps")]
-        if self.config.max_wall_s:
-            out.append((time.time() - started, self.config.max_wall_s, "s"))
+        out = [(float(self.step), float(self.config.max_steps), "steps")] + ([(time.time() - started, self.config.max_wall_s, "s")] if self.config.max_wall_s else [])
         try:
             if (m := hook(self.workload, "progress_of")(self.step, metrics)) is not None:
                 out.append((float(m[0]), float(m[1]), str(m[2])))
@@ -351,10 +322,7 @@ class Driver:
         return out
 
     def _ckpt_hint(self) -> str:
-        if self._ctx is None:
-            return "No checkpoint was written."
-        latest = self._ctx.store.latest()
-        return f"The last good checkpoint is step {latest.step} at {latest.path}." if latest else "No checkpoint was written."
+        return "No checkpoint was written." if self._ctx is None else self._ctx.store.hint()
 
     def _checkpoint(self, *, notice: bool = False, final: bool = False, force: str = "") -> None:
         assert self._ctx is not None
@@ -409,17 +377,16 @@ class Driver:
         stateful_roles = {r.name for r in self.workload.roles() if r.stateful}
         for ev in events:
             self._ctx.log.event(type(ev).__name__, node=ev.node_id, market=ev.market, deadline=getattr(ev, "deadline", None))
-            if isinstance(ev, NodeLeaving):
+            if isinstance(ev, NodeLeaving):  # stateless actors move now; stateful ones are the workload's (on_event)
                 self._leaving[ev.node_id] = ev.deadline if ev.deadline is not None else time.time()
+                for name, pool in pools.items():
+                    if name not in stateful_roles and pool.status().nodes.get(ev.node_id, 0):
+                        pool.evacuate(ev.node_id, "preemption notice")
             if isinstance(ev, NodeLost):
                 self._leaving.pop(ev.node_id, None)
                 for pool in pools.values():
                     if pool.status().nodes.get(ev.node_id, 0):
                         pool.evacuate(ev.node_id, "node lost")
-            if isinstance(ev, NodeLeaving):
-                for name, pool in pools.items():
-                    if name not in stateful_roles and pool.status().nodes.get(ev.node_id, 0):
-                        pool.evacuate(ev.node_id, "preemption notice")
             try:
                 notice = bool(hook(self.workload, "on_event")(ev)) or notice
             except Exception as exc:  # noqa: BLE001 - a reaction that failed must not drop the other events

@@ -13,9 +13,10 @@ import time
 from typing import Any, Callable
 
 from raylane.cluster import MARKET_LABEL, ClusterView
-from raylane.placement import capacity, fmt_res
+from raylane.placement import capacity, fmt_res, shortfalls
 from raylane.policies import Autoscaler, PoolAutoscale, PoolView, ScalingPolicy
 from raylane.group import Membership, PoolError
+from raylane.runlog import say
 from raylane.workload import hook
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,24 @@ class Elasticity:
         self._requested: list | None = None
         self._has_autoscaler: bool | None = None
         self._step = 0
+
+    def report_shortfalls(self, roles: list, the_plan: Any, runlog: Any) -> list[dict]:
+        """Roles the cluster cannot hold in full now: an event and a line each. The run goes
+        on with what fits; the asked size stands (see :meth:`keep_asks`)."""
+        short = shortfalls(roles, the_plan)
+        for s in short:
+            runlog.event("shortfall", **s)
+            say(f"{s['role']}: asked for {s['asked']}, the cluster holds {s['got']} now; missing {fmt_res(s['missing'])}. "
+                f"Running with {s['got']}; " + (f"the pool grows toward {s['asked']} as room appears." if self.autoscale
+                                                 else "driver.autoscale is off: `raylane scale` grows it."))
+        return short
+
+    def keep_asks(self, short: list[dict]) -> None:
+        """The asked sizes of the short roles stand: their pools grow back when nodes with room join."""
+        pools = self.workload.pools()
+        for s in short:
+            if s["role"] in pools:
+                self.wanted[s["role"]] = s["asked"]
 
     def start(self, ctx: Any, step: int, *, control: bool) -> None:
         """Take the run's context; with ``control``, open the channel ``raylane pools`` reads."""

@@ -3,13 +3,14 @@
 * :class:`FailurePolicy`: after a failure, recover or give up.
 * :class:`CheckpointPolicy`: checkpoint now, and why.
 * :class:`ScalingPolicy`: target pool sizes as nodes join and leave.
+* :func:`non_finite`: a guarded metric (a loss) that went NaN or infinite.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,23 @@ class Autoscaler:
         self._changed[role] = now
         self._seen[role] = []  # the new size needs its own observations
         return target, reason
+
+
+def non_finite(metrics: dict[str, Any], guarded: Sequence[str]) -> tuple[str, float] | None:
+    """The first guarded metric that is NaN or infinite, with its value (plain, numpy and
+    0-d tensor numbers alike; a metric that is not a number is not judged).
+
+    >>> non_finite({"loss": float("nan"), "lr": 0.1}, ["loss"])
+    ('loss', nan)
+    """
+    for key in guarded:
+        try:
+            value = float(metrics.get(key))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            continue
+        if not math.isfinite(value):
+            return key, value
+    return None
 
 
 def _headline(message: str) -> str:

@@ -153,3 +153,15 @@ def drive(
     if errors:
         raise AssertionError(f"the during schedule failed (run {summary.get('state')} after {len(steps)} step calls)") from errors[0]
     return Driven(summary=summary, run_dir=d.run_dir, steps=steps, events=read_jsonl(d.run_dir / "events.jsonl"))
+
+
+def ranks_now(run_dir: Path | str, kind: str, key: str) -> dict[int, Any]:
+    """{rank: value} from ``key`` of every ``kind`` event written so far (later events win),
+    for a test that acts on a gang's actor while the run goes on, e.g.
+    ``ranks_now(run_dir, "xgboost_group", "pids")[1]``: the pid of shard 1's trainer."""
+    out: dict[int, Any] = {}
+    path = Path(run_dir) / "events.jsonl"
+    for e in read_jsonl(path) if path.exists() else []:
+        if e["event"] == kind:
+            out.update({int(r): v for r, v in e.get(key, {}).items()})
+    return out

@@ -6,14 +6,15 @@ interchangeable actors (:class:`TaskPool`) or a gang of ranked ones (:class:`Gan
 - ``taskpool``: tickets over stateless actors: queue depth, retry or report lost,
   partial gather, results by reference (rollout workers, samplers, gradient workers).
 - ``gang``: stateful ranked actors: stable ranks, a replacement takes the lost rank and
-  gets its identity through ``on_join``, one gather with a deadline and a grace period.
+  gets its identity through ``on_join``, one gather with a deadline and a grace period
+  (an elastic gang, such as pipeline stages, deals its ranks over whoever is live).
 - what can go wrong, and what a run survives, is :mod:`raylane.errors`.
 """
 
 from raylane.errors import LOST, CallTimeoutError, GroupLost, PoolError, WorkError, is_recoverable
-from raylane.group.gang import Gang
+from raylane.group.gang import Gang, gather_ranks
 from raylane.group.membership import Eviction, Member, Membership, PoolStatus, default_placer
 from raylane.group.taskpool import TaskPool
 
 __all__ = ["LOST", "CallTimeoutError", "Eviction", "Gang", "GroupLost", "Member", "Membership", "PoolError",
-           "PoolStatus", "TaskPool", "WorkError", "default_placer", "is_recoverable"]
+           "PoolStatus", "TaskPool", "WorkError", "default_placer", "gather_ranks", "is_recoverable"]

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
@@ -43,6 +44,114 @@ def _gist(exc: BaseException) -> str:
     """The error's type and the first line of its message."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+
+
+@dataclass
+class Outcome:
+    """What :func:`wait_ranks` saw: results, lost ranks (why), ranks whose call raised,
+    and ranks still inside their call when the wait ended."""
+
+    results: dict[int, Any]
+    lost: dict[int, str]
+    errors: dict[int, BaseException]
+    stuck: list[int]
+    first_failure: float | None
+
+
+def wait_ranks(calls: dict[int, Any], *, what: str, timeout_s: float, grace_s: float,
+               on_failure: Callable[[], None] | None = None, ids: dict[int, str] | None = None) -> Outcome:
+    """The one wait of the group package for ranked calls: every rank's answer until
+    ``timeout_s``, or until ``grace_s`` after the first failure. A rank's call may be a
+    list of references (its answer is then the list of their values). A lost-actor error
+    about another actor than the rank's own (``ids``: {rank: actor id}; a result passed
+    from a peer that died) counts as that rank's error, not as the rank being lost."""
+    pending: dict[Any, tuple[int, int]] = {}
+    shape: dict[int, int] = {}
+    for r, call in calls.items():
+        refs = call if isinstance(call, list) else [call]
+        shape[r] = len(refs) if isinstance(call, list) else -1
+        pending.update({ref: (r, i) for i, ref in enumerate(refs)})
+    parts: dict[int, dict[int, Any]] = {r: {} for r in calls}
+    lost: dict[int, str] = {}
+    errors: dict[int, BaseException] = {}
+    deadline = time.monotonic() + timeout_s
+    failed_at: float | None = None
+    while pending:
+        limit = deadline if failed_at is None else min(deadline, failed_at + grace_s)
+        left = limit - time.monotonic()
+        if left <= 0:
+            break
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+        for ready in done:
+            r, i = pending.pop(ready)
+            try:
+                ref = next(ready) if isinstance(ready, ObjectRefGenerator) else ready
+                parts[r][i] = ray.get(ref, timeout=max(1.0, left))
+                continue
+            except StopIteration:
+                err: BaseException = RuntimeError(f"{what!r} ended before its last item")
+            except LOST as exc:
+                theirs = getattr(exc, "actor_id", None)
+                if ids is None or theirs is None or theirs == ids.get(r):
+                    lost.setdefault(r, type(exc).__name__)
+                    err = exc
+                else:
+                    err = PeerLost(f"a result {what!r} needed came from an actor that is gone ({type(exc).__name__})")
+            except RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                err = cause if isinstance(cause, BaseException) else exc
+            if r not in lost:
+                errors.setdefault(r, err)
+            if failed_at is None:
+                failed_at = time.monotonic()
+                if on_failure is not None:
+                    on_failure()
+    for r in lost:
+        errors.pop(r, None)
+    stuck = sorted({r for r, _ in pending.values()} - set(lost) - set(errors))
+    results = {r: ([got[i] for i in range(shape[r])] if shape[r] >= 0 else got[0]) for r, got in parts.items()
+               if r not in lost and r not in errors and r not in stuck}
+    return Outcome(results, lost, errors, stuck, failed_at)
+
+
+def judge(out: Outcome, *, what: str, timeout_s: float, grace_s: float, broken: Callable[[BaseException], bool] = lambda e: False,
+          brief: Callable[[BaseException], str] = _gist, rank_name: str = "rank", actor_word: str = "actor", killed: bool = True) -> PoolError | None:
+    """The one error an :class:`Outcome` comes to (None when every rank answered): a
+    grouped :class:`WorkError` when ranks raised and none was lost and not every error is
+    ``broken`` (a bug or bad data: not worth retrying), :class:`CallTimeoutError` when
+    ranks merely ran out of time, otherwise :class:`GroupLost` naming the ranks."""
+    lost, errors, stuck = out.lost, out.errors, out.stuck
+    if not (lost or errors or stuck):
+        return None
+    n = rank_name
+    if errors and not lost and not all(isinstance(e, PeerLost) or broken(e) for e in errors.values()):
+        grouped: dict[str, list[str]] = {}
+        for r, e in sorted(errors.items()):
+            if not isinstance(e, PeerLost):
+                grouped.setdefault(brief(e), []).append(f"{n} {r}")
+        return WorkError(what, grouped)
+    if out.first_failure is None:
+        return CallTimeoutError(f"{what!r} on {n}(s) {stuck} did not return within {timeout_s:g} s" + ("; those actors were killed" if killed else ""))
+    parts = [f"{n} {r}: {actor_word} lost ({why})" for r, why in sorted(lost.items())]
+    parts += [f"{n} {r}: {brief(e)}" for r, e in sorted(errors.items())]
+    parts += [f"{n} {r}: still in the collective {grace_s:g} s after the first failure" + (", killed" if killed else "") for r in stuck]
+    ranks = sorted(lost) or stuck or sorted(errors)
+    return GroupLost(f"{what!r} failed: " + "; ".join(parts), ranks=ranks, actor=", ".join(f"{n} {r}" for r in ranks))
+
+
+def gather_ranks(calls: dict[int, Any], *, what: str, timeout_s: float, grace_s: float, on_failure: Callable[[], None] | None = None,
+                 broken: Callable[[BaseException], bool] = lambda e: False, rank_name: str = "rank") -> dict[int, Any]:
+    """:meth:`Gang.gather` for ranked actors that no gang owns (a test's or a benchmark's
+    own actors): the same wait and the same one error, but nobody is killed or replaced."""
+    out = wait_ranks(calls, what=what, timeout_s=timeout_s, grace_s=grace_s, on_failure=on_failure)
+    err = judge(out, what=what, timeout_s=timeout_s, grace_s=grace_s, broken=broken, rank_name=rank_name, killed=False)
+    if err is not None:
+        raise err
+    return out.results
+
+
+class PeerLost(RuntimeError):
+    """A rank's call failed because a result it was handed came from an actor that died."""
 
 
 class Gang(Membership):
@@ -61,6 +170,7 @@ class Gang(Membership):
         rank_order: Callable[[str], Any] | None = None,
         rank_name: str = "rank",
         actor_word: str = "actor",
+        elastic: bool = False,
         placer: Placer | None = None,
         max_start_failures: int = 3,
         start_timeout_s: float = 180.0,
@@ -72,8 +182,12 @@ class Gang(Membership):
         ``brief(error)`` shortens an error for messages. ``rank_order(node_id)`` sorts
         the actors of the first formation (rank 0 first: e.g. the fastest node).
         ``rank_name`` and ``actor_word`` are what a rank and its actor are called in
-        messages (``shard``/``trainer``, ``stage``)."""
+        messages (``shard``/``trainer``, ``stage``). An ``elastic`` gang's workload cuts
+        its work over whoever is live: it may be resized within the role's bounds, and
+        :meth:`deal` gives out the ranks (see there)."""
         self._ranks: dict[int, int] = {}  # rank -> member key
+        self.elastic = elastic
+        self._width: int | None = None  # an elastic gang's number of ranks, once dealt
         self._on_join = on_join
         self._broken = broken or (lambda exc: False)
         self._brief = brief or _gist
@@ -96,9 +210,28 @@ class Gang(Membership):
             return {r: self._members[k].node_id for r, k in sorted(self._ranks.items()) if k in self._members}
 
     def missing(self) -> list[int]:
-        """Ranks no live actor holds (until the next :meth:`form`)."""
+        """Ranks no live actor holds (until the next :meth:`form` or :meth:`deal`)."""
         with self._lock:
-            return [r for r in range(self.target) if r not in self._ranks]
+            return [r for r in range(self.width) if r not in self._ranks]
+
+    @property
+    def width(self) -> int:
+        """The number of ranks: the size, or what an elastic gang was last dealt."""
+        return self.target if self._width is None else self._width
+
+    def deal(self, order: list[Any]) -> None:
+        """Elastic gangs only: ranks 0..k-1 go to these live actors (handles, in rank
+        order), whatever they held before; the gang now has k ranks. The workload has
+        re-cut its work over them (e.g. layers over the stages that are live)."""
+        if not self.elastic:
+            raise ValueError(f"role {self.role.name!r}: deal() is for an elastic gang; a fixed gang's ranks are given by form()")
+        with self._lock:
+            keys = {id(m.handle): m.key for m in self._members.values() if m.ready and not m.retiring}
+            absent = [i for i, h in enumerate(order) if id(h) not in keys]
+            if absent:
+                raise self._lost_ranks(absent, "deal() was given actors that are not live members")
+            self._ranks = {r: keys[id(h)] for r, h in enumerate(order)}
+            self._width = len(order)
 
     def form(self, timeout_s: float, grace_s: float | None = None) -> dict[int, Any]:
         """Every rank on a live actor. Lost actors are evicted (their replacements start
@@ -128,7 +261,7 @@ class Gang(Membership):
         """Call ``method`` on every rank and :meth:`gather` the answers. ``per_rank(rank)``
         gives a rank its own ``(args, kwargs)``; otherwise every rank gets ``args``/``kwargs``."""
         handles = self.handles()
-        if len(handles) < self.target:
+        if len(handles) < self.width:
             raise self._lost_ranks(self.missing(), f"{method!r} needs every rank")
         calls = {}
         for r, h in handles.items():
@@ -136,54 +269,22 @@ class Gang(Membership):
             calls[r] = getattr(h, method).remote(*a, **kw)
         return self.gather(calls, what=method, timeout_s=timeout_s, grace_s=grace_s)
 
-    def gather(self, calls: dict[int, Any], *, what: str, timeout_s: float, grace_s: float) -> dict[int, Any]:
-        """{rank: result} of ``calls`` ({rank: ObjectRef, or a streaming generator whose next
-        item is wanted}), never waiting past ``timeout_s``; see the module docstring for
-        the grace period and the one error raised."""
-        pending = {ref: r for r, ref in calls.items()}
-        results: dict[int, Any] = {}
-        lost: dict[int, str] = {}
-        errors: dict[int, BaseException] = {}
-        deadline = time.monotonic() + timeout_s
-        failed_at: float | None = None
-        while pending:
-            limit = deadline if failed_at is None else min(deadline, failed_at + grace_s)
-            left = limit - time.monotonic()
-            if left <= 0:
-                break
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
-            for ready in done:
-                r = pending.pop(ready)
-                try:
-                    ref = next(ready) if isinstance(ready, ObjectRefGenerator) else ready
-                    results[r] = ray.get(ref, timeout=max(1.0, left))
-                except StopIteration:
-                    errors[r] = RuntimeError(f"{what!r} ended before its last item")
-                except LOST as exc:
-                    lost[r] = type(exc).__name__
-                except RayTaskError as exc:
-                    cause = getattr(exc, "cause", None)
-                    errors[r] = cause if isinstance(cause, BaseException) else exc
-                if r not in results and failed_at is None:
-                    failed_at = time.monotonic()
-        stuck = sorted(pending.values())
-        self._evict_ranks({**{r: f"lost during {what!r}: {why}" for r, why in lost.items()},
-                           **{r: f"still in {what!r} after the deadline, killed" for r in stuck}})
-        if not (lost or errors or stuck):
-            return results
-        n = self.rank_name
-        if errors and not lost and not all(self._broken(e) for e in errors.values()):
-            grouped: dict[str, list[str]] = {}
-            for r, e in errors.items():
-                grouped.setdefault(self._brief(e), []).append(f"{n} {r}")
-            raise self._named(WorkError(what, grouped))  # a bug or bad data: not worth retrying
-        if failed_at is None:
-            raise self._named(CallTimeoutError(f"{what!r} on {n}(s) {stuck} did not return within {timeout_s:g} s; those actors were killed"))
-        parts = [f"{n} {r}: {self.actor_word} lost ({why})" for r, why in sorted(lost.items())]
-        parts += [f"{n} {r}: {self._brief(e)}" for r, e in sorted(errors.items())]
-        parts += [f"{n} {r}: still in the collective {grace_s:g} s after the first failure, killed" for r in stuck]
-        ranks = sorted(lost) or stuck or sorted(errors)
-        raise self._named(GroupLost(f"{what!r} failed: " + "; ".join(parts), ranks=ranks, actor=", ".join(f"{n} {r}" for r in ranks)))
+    def gather(self, calls: dict[int, Any], *, what: str, timeout_s: float, grace_s: float,
+               on_failure: Callable[[], None] | None = None) -> dict[int, Any]:
+        """{rank: result} of ``calls`` ({rank: an ObjectRef, a list of them, or a streaming
+        generator whose next item is wanted}), never waiting past ``timeout_s``; see the
+        module docstring for the grace period and the one error raised. ``on_failure()``
+        runs once, at the first failure (e.g. tell the other ranks to give up their
+        collective now rather than at their own timeout). Lost and stuck ranks are evicted;
+        the membership starts their replacements."""
+        out = wait_ranks(calls, what=what, timeout_s=timeout_s, grace_s=grace_s, on_failure=on_failure, ids=self._actor_ids())
+        self._evict_ranks({**{r: f"lost during {what!r}: {why}" for r, why in out.lost.items()},
+                           **{r: f"still in {what!r} after the deadline, killed" for r in out.stuck}})
+        err = judge(out, what=what, timeout_s=timeout_s, grace_s=grace_s, broken=self._broken, brief=self._brief,
+                    rank_name=self.rank_name, actor_word=self.actor_word)
+        if err is not None:
+            raise self._named(err)
+        return out.results
 
     def drain(self, streams: dict[int, ObjectRefGenerator], *, grace_s: float) -> None:
         """Wait until every stream has ended (a broken collective ends them with an error);
@@ -202,8 +303,11 @@ class Gang(Membership):
         self._evict_ranks({r: f"still streaming {grace_s:g} s after the stream was closed, killed" for r in pending.values()})
 
     def resize(self, n: int) -> None:
-        """A gang's size is its number of ranks, fixed for the run."""
-        if n != self.target:
+        """A gang's size is its number of ranks, fixed for the run (an elastic gang's
+        within the role's bounds: the workload deals the ranks again)."""
+        if self.elastic:
+            super().resize(n)
+        elif n != self.target:
             raise ValueError(f"role {self.role.name!r} is a gang of {self.target} ranks; its size cannot change while it runs (got {n!r})")
 
     # ---------------------------------------------------------------- membership hooks
@@ -214,6 +318,10 @@ class Gang(Membership):
                 del self._ranks[r]
 
     # ---------------------------------------------------------------- internals
+
+    def _actor_ids(self) -> dict[int, str]:
+        with self._lock:
+            return {r: self._members[k].handle._actor_id.hex() for r, k in self._ranks.items() if k in self._members}
 
     def _evict_ranks(self, reasons: dict[int, str]) -> None:
         with self._lock:

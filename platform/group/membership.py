@@ -196,6 +196,11 @@ class Membership:
         """Block until ``target`` actors are ready; raises naming the reason if not in time."""
         self._wait(None, timeout_s)
 
+    def refresh(self) -> None:
+        """Take in actors that became ready and replace the dead, without waiting."""
+        self._check_open()
+        self._pump(0.0)
+
     def probe(self, timeout_s: float) -> list[str]:
         """Ask every live actor whether it is there; evict those that are gone (a
         replacement starts at once). Returns the names of the evicted actors. An actor

@@ -214,6 +214,18 @@ class TaskPool(Membership):
         done = self.gather(tickets, timeout_s=timeout_s)
         return [done[t] for t in tickets]
 
+    def call_one(self, method: str, *args: Any, timeout_s: float, start_timeout_s: float = 180.0) -> Any:
+        """The answer of a one-actor pool's actor (a trainer fed through the pool's queue,
+        whose state is the job's state): waits up to ``start_timeout_s`` for it to be
+        ready; raises :class:`PoolError` if it died instead of answering."""
+        if self.target != 1:
+            raise ValueError(f"call_one is for a pool of one actor; role {self.role.name!r} has {self.target}")
+        self.wait_for(1, timeout_s=start_timeout_s)
+        results = self.call_all(method, *args, timeout_s=timeout_s, require_all=True)
+        if len(results) != 1:
+            raise self._named(PoolError(f"expected the one actor of role {self.role.name!r} to answer {method!r}, got {len(results)} answers"))
+        return results[0]
+
     def call_all(self, method: str, *args: Any, timeout_s: float, require_all: bool = False, **kwargs: Any) -> list[Any]:
         """Call ``method`` once on every live actor; results of the actors that answered.
 

@@ -8,15 +8,15 @@ one process, so no step was lost or applied twice."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import pytest
 
-from raylane.driver import Driver, DriverConfig
+from raylane.driver import DriverConfig
 from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig, PipelineLMWorkload
 
+from harness import drive  # tests/harness.py
 from market_helpers import by_name, wait_all_free  # tests/market_helpers.py
 from pipeline_ref import check_close, final_params, reference  # tests/pipeline_ref.py
 
@@ -34,20 +34,11 @@ def test_pipeline_through_a_notice_and_a_loss_ends_with_exact_weights(spot_clust
     )
     conf.driver = DriverConfig(run_name="plm-chaos", runs_dir=str(tmp_path), max_steps=STEPS, checkpoint_every_steps=EVERY, progress=False, tensorboard=False)
     workload = PipelineLMWorkload(conf)
-    seen: list[int] = []
     log: list[str] = []
-    original = workload.step
-
     removed = threading.Event()
 
-    def step(i: int):
-        seen.append(i)
-        time.sleep(0.25)  # steps long enough for the schedule to land among them
-        if i == STEPS - 10:  # on a slow machine, keep the last steps for after the loss
-            assert removed.wait(timeout=240), log
-        return original(i)
-
-    workload.step = step
+    def hold():  # on a slow machine, keep the last steps for after the loss
+        assert removed.wait(timeout=240), log
 
     def grown_back(timeout_s: float = 60.0) -> None:
         """The pipeline is cut over 3 stages again (the replacement stage joined it)."""
@@ -59,25 +50,22 @@ def test_pipeline_through_a_notice_and_a_loss_ends_with_exact_weights(spot_clust
             time.sleep(0.05)
         log.append("no regrowth in time")
 
-    def schedule():
-        while len(seen) < 6:
-            time.sleep(0.02)
-        log.append(f"notice spot-fast at step {len(seen)}")
+    def schedule(steps):
+        steps.wait(6)
+        log.append(f"notice spot-fast at step {len(steps)}")
         market.preempt(by_name(market, "spot-fast"), notice_s=8.0)  # returns once the node is gone
         market.add_node("spot", speed=2.0, cpus=2, name="spot-fast")
         grown_back()
-        log.append(f"remove spot-slow at step {len(seen)}")
+        log.append(f"remove spot-slow at step {len(steps)}")
         market.remove(by_name(market, "spot-slow"))
         removed.set()
         market.add_node("spot", speed=1.0, cpus=2, name="spot-slow")
-        log.append(f"back at step {len(seen)}")
+        log.append(f"back at step {len(steps)}")
 
-    t = threading.Thread(target=schedule, daemon=True)
-    t.start()
-    summary = Driver(workload, conf.driver).run()
-    t.join(timeout=120)
+    # steps long enough (pace_s) for the schedule to land among them
+    run = drive(workload, conf.driver, at={STEPS - 10: hold}, during=schedule, pace_s=0.25)
+    summary, events, seen = run.summary, run.events, run.steps
     assert len(log) == 3 and log[-1].startswith("back") and summary["state"] == "finished" and summary["steps"] == STEPS, (log, summary)
-    events = [json.loads(line) for line in (tmp_path / "plm-chaos" / "events.jsonl").read_text().splitlines()]
     handoffs = [e for e in events if e["event"] == "pipeline_handoff"]
     assert [h["done"] for h in handoffs] == [True] and handoffs[0]["stages"] == 2, handoffs
     # The notice cost nothing: the only failure is the removal without notice, and it
@@ -87,4 +75,4 @@ def test_pipeline_through_a_notice_and_a_loss_ends_with_exact_weights(spot_clust
     layouts = [lay["stages"] for lay in (e for e in events if e["event"] == "pipeline_layout")]
     assert layouts[0] == 3 and layouts[1] == 2 and 3 in layouts[2:], layouts  # handed off to 2 stages, grown back to 3
     _, want = reference(conf, STEPS)
-    check_close(final_params(tmp_path / "plm-chaos"), want, conf.model.d_model)
+    check_close(final_params(run.run_dir), want, conf.model.d_model)

@@ -6,19 +6,17 @@ the live state; the run still ends with the weights of an uninterrupted one."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import pytest
 
-from raylane.cluster import ClusterView
-from raylane.driver import Driver, DriverConfig
+from raylane.driver import DriverConfig
 from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig, PipelineLMWorkload
 
+from harness import drive  # tests/harness.py
+from market_helpers import by_name, wait_all_free  # tests/market_helpers.py
 from pipeline_ref import check_close, final_params, reference  # tests/pipeline_ref.py
-
-from market_helpers import wait_all_free, by_name  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -32,38 +30,27 @@ def test_pipeline_shrinks_to_the_stages_that_fit_and_grows_back_with_exact_weigh
     )
     conf.driver = DriverConfig(run_name="plm-spot", runs_dir=str(tmp_path), max_steps=steps, checkpoint_every_steps=5, progress=False, tensorboard=False)
     workload = PipelineLMWorkload(conf)
-    seen: list[int] = []
-    original = workload.step
     node_back = threading.Event()
 
-    def step(i):
-        seen.append(i)
-        if i == 24:  # hold the run until capacity is back, so the regrowth is observed
-            assert node_back.wait(timeout=120)
-        if i == 30:  # and until the stage actor on the returned node is up (a slow start must not end the run first)
-            deadline = time.monotonic() + 120
-            while len(workload.pool.actors()) < conf.stages and time.monotonic() < deadline:
-                workload.pool.poll(0.2)
-        return original(i)
+    def hold_until_back():  # so the regrowth is observed
+        assert node_back.wait(timeout=120)
 
-    workload.step = step
+    def wait_for_the_stage():  # on the returned node (a slow start must not end the run first)
+        deadline = time.monotonic() + 120
+        while len(workload.gang.actors()) < conf.stages and time.monotonic() < deadline:
+            workload.gang.refresh()
+            time.sleep(0.2)
 
-    def chaos():
-        while len(seen) < 12:
-            time.sleep(0.02)
+    def chaos(steps):
+        steps.wait(12, poll_s=0.02)
         spot_cluster.remove(by_name(spot_cluster, "spot-fast"))  # no notice; no room left for its stage
-        while len(seen) < 22:
-            time.sleep(0.02)
+        steps.wait(22, poll_s=0.02)
         spot_cluster.add_node("spot", speed=2.0, cpus=2, name="spot-fast")
         node_back.set()
 
-    t = threading.Thread(target=chaos, daemon=True)
-    t.start()
-    summary = Driver(workload, conf.driver).run()
-    t.join(timeout=60)
+    result = drive(workload, conf.driver, at={24: hold_until_back, 30: wait_for_the_stage}, during=chaos, join_s=60)
+    summary, events, run = result.summary, result.events, result.run_dir
     assert summary["state"] == "finished" and summary["steps"] == steps
-    run = tmp_path / "plm-spot"
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     layouts = [e for e in events if e["event"] == "pipeline_layout"]
     first = layouts[0]
     assert first["stages"] == 3 and first["speeds"] == [2.0, 1.0, 1.0]

@@ -17,7 +17,7 @@ from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import ROLE, DataConfig, XGBoostJobConfig, XGBoostWorkload
 from raylane.placement import plan
 
-from harness import drive  # tests/harness.py
+from harness import drive, ranks_now  # tests/harness.py
 from market_helpers import wait_all_free, by_name  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -52,7 +52,7 @@ def test_spot_trainers_shard_by_speed_and_survive_a_node_removed_mid_chunk(spot_
 
     def remove_fast():
         # The group streams rounds 11-20 while the driver checkpoints round 10.
-        removed.append(workload.members[0]["node"])
+        removed.append(ranks_now(tmp_path / "removed", "xgboost_group", "nodes")[0])
         spot_cluster.remove(fast)  # without notice; returns once Ray marks the node dead
 
     run = drive(workload, conf.driver, at={1: remove_fast})  # the fixture adds spot-fast back for the next test

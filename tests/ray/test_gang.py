@@ -127,3 +127,45 @@ def test_a_gang_keeps_its_size(ray_local):
             gang.resize(3)
     finally:
         gang.shutdown()
+
+
+def test_an_elastic_gang_deals_its_ranks_over_the_live_actors_and_may_be_resized(ray_local):
+    role = RoleSpec("ranked", {"CPU": 0.25}, min_count=1, max_count=3, stateful=True)
+    gang = Gang(role, Ranked, size=3, elastic=True, rank_name="stage")
+    try:
+        gang.wait_ready(timeout_s=60)
+        live = gang.actors()
+        ray.get([h.join.remote(i) for i, h in enumerate(live)], timeout=60)
+        gang.deal([live[2], live[0]])  # the workload cut its work over two of them, in this order
+        assert gang.width == 2 and gang.handles() == {0: live[2], 1: live[0]}
+        out = gang.gather({r: [h.work.remote(1), h.work.remote(2)] for r, h in gang.handles().items()}, what="work", timeout_s=60, grace_s=5)
+        assert out == {0: [12, 22], 1: [10, 20]}  # a rank's list of calls answers as a list, in order
+        gang.resize(2)
+        gang.wait_ready(timeout_s=60)
+        assert gang.target == 2 and len(gang.actors()) == 2
+        with pytest.raises(ValueError, match="1..3"):
+            gang.resize(4)
+        fixed = make_gang(n=1)
+        with pytest.raises(ValueError, match="elastic"):
+            fixed.deal(fixed.actors())
+        fixed.shutdown()
+    finally:
+        gang.shutdown()
+
+
+def test_a_result_passed_from_a_dead_peer_fails_that_rank_without_evicting_it(ray_local):
+    gang = make_gang(n=2)
+    try:
+        pids = {r: v["pid"] for r, v in gang.form(timeout_s=60).items()}
+        h = gang.handles()
+        first = h[0].work.remote(0, "ok", 30.0)  # rank 0 is still working when it dies
+        calls = {0: first, 1: h[1].work.remote(first)}  # rank 1 is handed rank 0's result
+        time.sleep(1.0)
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(GroupLost) as info:
+            gang.gather(calls, what="work", timeout_s=60, grace_s=5)
+        assert info.value.ranks == (0,) and "part 1: PeerLost" in str(info.value), str(info.value)
+        assert gang.missing() == [0]  # only the dead rank is evicted; rank 1 keeps its actor
+        assert gang.handles()[1] == h[1]
+    finally:
+        gang.shutdown()

@@ -26,6 +26,7 @@ from raylane.actors.pipeline_stage import LinkedStage, StageConfig, connect_link
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload
 from raylane.actors.pipeline_split import split_virtual
+from harness import ranks_now  # tests/harness.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -77,7 +78,7 @@ class ProbedXGBoost(XGBoostWorkload):
         self._samplers: list[threading.Thread] = []
 
     def _start_stream(self):
-        pids = [m["pid"] for m in self.members.values()]
+        pids = list(ranks_now(self.ctx.run_dir, "xgboost_group", "pids").values())
         before = listening([os.getpid(), *pids])
         stream = super()._start_stream()
         # The tracker listens from its start on; the trainers open theirs as they join.

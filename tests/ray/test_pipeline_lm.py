@@ -14,6 +14,7 @@ import ray
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig, PipelineLMWorkload
 
+from harness import drive  # tests/harness.py
 from pipeline_ref import check_close, final_params, reference  # tests/pipeline_ref.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -54,37 +55,31 @@ def test_a_stage_killed_mid_step_is_recovered_from_the_last_checkpoint(ray_local
     steps, kill_at = 12, 9
     conf = make(tmp_path, "plm-kill", steps, stages=3, schedule="gpipe", micro_batches=4)
     workload = PipelineLMWorkload(conf)
-    seen: list[int] = []
     killed: list[str] = []
-    original = workload.step
 
-    def step(i):
-        seen.append(i)
-        if i == kill_at and not killed:
-            victim = workload.layout.pipelines[0][1]
-            pid = ray.get(victim.where.remote(), timeout=30)["pid"]
+    def kill_a_stage():
+        victim = workload.layout.pipelines[0][1]
+        pid = ray.get(victim.where.remote(), timeout=30)["pid"]
 
-            def kill():
-                time.sleep(0.01)  # let the batch start on every stage
-                ray.kill(victim, no_restart=True)
-                killed.append(str(pid))
+        def kill():
+            time.sleep(0.01)  # let the batch start on every stage
+            ray.kill(victim, no_restart=True)
+            killed.append(str(pid))
 
-            threading.Thread(target=kill, daemon=True).start()
-        return original(i)
+        threading.Thread(target=kill, daemon=True).start()
 
-    workload.step = step
-    summary = Driver(workload, conf.driver).run()
+    run = drive(workload, conf.driver, at={kill_at: kill_a_stage})
+    summary, seen = run.summary, run.steps
     assert killed and summary["state"] == "finished" and summary["steps"] == steps
     # The failing step is 9, or 10 if step 9 ended inside the 10 ms; either way the run
     # goes back to the checkpoint of step 8 and runs every step from there once more.
     failed = seen.index(8, 9)
     assert seen[:failed] == list(range(failed)) and failed - 1 in (kill_at, kill_at + 1)
     assert seen[failed:] == list(range(8, steps))
-    run = tmp_path / "plm-kill"
-    events = read(run, "events.jsonl")
+    events = run.events
     kinds = [e["event"] for e in events]
     assert kinds.count("pipeline_layout") >= 2 and "failure" in kinds
     relayout = [e for e in events if e["event"] == "pipeline_layout"][-1]
     assert relayout["stages"] == 3 and sorted(i for piece in relayout["pieces"] for ids in piece.values() for i in ids) == list(range(6))
     _, want_params = reference(conf, steps)
-    check_close(final_params(run), want_params, SHAPE["d_model"])
+    check_close(final_params(run.run_dir), want_params, SHAPE["d_model"])

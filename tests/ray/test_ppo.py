@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import ray
 
 from raylane.checkpoint import CheckpointStore
 from raylane.driver import Driver, DriverConfig, NonFiniteError
@@ -111,7 +112,7 @@ def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_l
 
     def kill(steps):
         steps.wait(13, poll_s=0.01)
-        pid = workload.learner.call_all("info", timeout_s=30)[0]["pid"]
+        pid = ray.get(workload.learner.handles()[0].info.remote(), timeout=30)["pid"]
         os.kill(pid, signal.SIGKILL)
 
     run = drive(workload, driver, during=kill, join_s=30)

@@ -21,7 +21,7 @@ from raylane.driver import Driver, DriverConfig
 from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload, prepare
 from raylane.runlog import read_jsonl
 
-from harness import drive  # tests/harness.py
+from harness import drive, ranks_now  # tests/harness.py
 
 # Generous: the collective synchronises every tree level, so on 2 cores shared with other
 # test runs a chunk can take 20x longer than on a quiet machine.
@@ -155,12 +155,14 @@ def test_trainer_killed_mid_chunk_regroups_and_matches_fault_free_run(ray_local,
     wait_cpus_free()
     conf = make(tmp_path, "killed", data=FAULT_DATA, num_boost_round=FAULT_ROUNDS, params={"eval_metric": ["logloss"]})
     workload = XGBoostWorkload(conf)
-    killed: list[dict] = []
+    run_dir = tmp_path / "killed"
+    killed: list[int] = []
 
     def kill():
         # The group streams chunk 2 (rounds 11-20) while the driver checkpoints chunk 1.
-        killed.append(workload.members[1])
-        os.kill(workload.members[1]["pid"], signal.SIGKILL)
+        pid = ranks_now(run_dir, "xgboost_group", "pids")[1]
+        killed.append(pid)
+        os.kill(pid, signal.SIGKILL)
 
     run = drive(workload, conf.driver, at={1: kill})
     summary, events = run.summary, run.events
@@ -217,10 +219,11 @@ def test_frozen_trainer_cannot_hang_the_group(ray_local, tmp_path):
     wait_cpus_free()
     conf = make(tmp_path, "frozen", data=FAULT_DATA, num_boost_round=20, collective_timeout_s=6, params={"eval_metric": ["logloss"]})
     workload = XGBoostWorkload(conf)
+    run_dir = tmp_path / "frozen"
     frozen: list[int] = []
 
     def freeze():
-        frozen.append(workload.members[1]["pid"])
+        frozen.append(ranks_now(run_dir, "xgboost_group", "pids")[1])
         os.kill(frozen[0], signal.SIGSTOP)
 
     t0 = time.monotonic()

@@ -8,7 +8,8 @@ import torch
 
 from raylane import config as cfg
 from raylane.actors.gnn_sampler import GNNSampler, SamplerConfig, make_batch
-from raylane.actors.graph import GraphError, csr_in, load_graph, make_data, partition, save_graph, sbm_graph, to_shared, validate_graph
+from raylane.actors.graph import GraphError, csr_in, make_data, partition, sbm_graph, to_shared, validate_graph
+from raylane.actors.graph_io import load_graph, save_graph
 from raylane.actors.sage import SAGE, GNNTrainer, GNNTrainerConfig, train_mlp_baseline
 from raylane.actors.sampling import batch_rng, batch_seeds, check_fanouts, epoch_plan, first_seen, sample_offsets, sample_subgraph
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from raylane import config as cfg
-from raylane.actors.graph import GraphError, load_graph, make_data, prepare_edges, sbm_graph, to_shared, validate_graph
+from raylane.actors.graph import GraphError, make_data, prepare_edges, sbm_graph, to_shared, validate_graph
+from raylane.actors.graph_io import load_graph
 from raylane.jobs.graphsage import GraphSAGEConfig, GraphSAGEWorkload, describe_input
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

@@ -226,3 +226,16 @@ def test_a_recovery_that_outlasts_max_recovery_s_fails_the_run_naming_the_limit(
 def test_max_recovery_s_must_be_finite_and_not_negative(bad):
     with pytest.raises(ValueError, match="max_recovery_s"):
         FailurePolicy(max_recovery_s=bad)
+
+
+def test_non_finite_names_the_first_guarded_metric_that_is_nan_or_infinite():
+    import numpy as np
+    import torch
+
+    from raylane.policies import non_finite
+
+    assert non_finite({"loss": 0.5, "lr": float("nan")}, ["loss"]) is None  # only guarded metrics count
+    key, value = non_finite({"loss": np.float32("nan")}, ["loss"])
+    assert key == "loss" and value != value
+    assert non_finite({"a": 1.0, "b": torch.tensor(float("inf"))}, ["a", "b"]) == ("b", float("inf"))
+    assert non_finite({"loss": "n/a", "other": None}, ["loss", "other", "absent"]) is None  # not numbers: not judged
