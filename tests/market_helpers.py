@@ -1,4 +1,5 @@
-"""Helpers for the tests on the simulated spot cluster (tests/cluster, tests/chaos)."""
+"""Helpers for the tests on the simulated spot cluster (tests/cluster, tests/chaos), and waiting for
+killed actors to free their CPUs on any Ray."""
 
 from __future__ import annotations
 

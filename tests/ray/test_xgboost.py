@@ -22,6 +22,7 @@ from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload, 
 from raylane.runlog import read_jsonl
 
 from harness import drive, ranks_now  # tests/harness.py
+from market_helpers import wait_all_free as wait_cpus_free  # tests/market_helpers.py
 
 # Generous: the collective synchronises every tree level, so on 2 cores shared with other
 # test runs a chunk can take 20x longer than on a quiet machine.
@@ -109,18 +110,6 @@ def test_iris_without_an_objective_trains_multiclass_and_says_so(ray_local, tmp_
     p = booster.predict(xgb.DMatrix(x, feature_names=list(prepare(conf).table.features)))
     assert p.shape == (len(y), 3)
     assert float(np.mean(p.argmax(axis=1) != y)) == pytest.approx(final["eval-merror"], abs=1e-6)
-
-
-def wait_cpus_free(timeout_s: float = 60.0) -> None:
-    """Killed actors release their CPUs asynchronously; the next run's plan reads free CPUs."""
-    from raylane.cluster import ClusterView
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if all(n.available.get("CPU", 0) == n.cpus for n in ClusterView.from_ray().usable):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("CPUs were not released in time")
 
 
 def test_one_trainer_equals_plain_xgboost_and_two_trainers_are_close(ray_local, tmp_path):
