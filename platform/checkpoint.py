@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST, STATE, TENSORS = "MANIFEST.json", "state.json", "tensors.pt"
 _TENSOR, _NDARRAY, _BYTES = "__tensor__", "__ndarray__", "__bytes__"
-_RESERVED = (_TENSOR, _NDARRAY, _BYTES)
+_ITEMS, _TUPLE = "__items__", "__tuple__"  # a dict with int keys, a tuple (an optimizer's state_dict has both)
+_RESERVED = (_TENSOR, _NDARRAY, _BYTES, _ITEMS, _TUPLE)
 _ALLOWED = ("torch.Tensor (dense), numpy.ndarray (numeric dtype), bytes, None, bool, int, "
-            "float, str, and lists / str-keyed dicts of those")
+            "float, str, and lists, tuples and dicts (str or int keys) of those")
 
 
 class CheckpointError(Exception):
@@ -56,15 +57,19 @@ def _encode(obj, path: tuple, tensors: dict, blobs: dict):
     """Replace tensors, arrays and bytes by placeholders; reject anything JSON would mangle."""
     if isinstance(obj, dict):
         for k in obj:
-            if not isinstance(k, str):
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise TypeError(f"{_where(path)} has key {k!r} of type {type(k).__name__}; "
-                                "checkpoint dict keys must be str")
+                                "checkpoint dict keys must be str or int")
             if k in _RESERVED:
                 raise CheckpointError(f"{_where(path + (k,))}: key {k!r} is reserved by the "
                                       "checkpoint format; rename it")
-        return {k: _encode(v, path + (k,), tensors, blobs) for k, v in obj.items()}
+        if all(isinstance(k, str) for k in obj):
+            return {k: _encode(v, path + (k,), tensors, blobs) for k, v in obj.items()}
+        return {_ITEMS: [[k, _encode(v, path + (k,), tensors, blobs)] for k, v in obj.items()]}
     if isinstance(obj, list):
         return [_encode(v, path + (i,), tensors, blobs) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {_TUPLE: [_encode(v, path + (i,), tensors, blobs) for i, v in enumerate(obj)]}
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         kind, t = (_NDARRAY, None) if isinstance(obj, np.ndarray) else (_TENSOR, obj)
         if kind == _NDARRAY and obj.dtype.kind in "biufc":
@@ -102,6 +107,10 @@ def _decode(obj, tensors: dict, blobs: dict):
     for kind, table in ((_TENSOR, tensors), (_NDARRAY, tensors), (_BYTES, blobs)):
         if kind in obj:
             return table[obj[kind]].numpy() if kind == _NDARRAY else table[obj[kind]]
+    if _ITEMS in obj:
+        return {k: _decode(v, tensors, blobs) for k, v in obj[_ITEMS]}
+    if _TUPLE in obj:
+        return tuple(_decode(v, tensors, blobs) for v in obj[_TUPLE])
     return {k: _decode(v, tensors, blobs) for k, v in obj.items()}
 
 

@@ -92,6 +92,9 @@ def submit(
     from raylane.launch import load_job_config
     from raylane.submission import config_overrides
 
+    if ":" in job:  # the cluster would need the file: it is not shipped yet
+        _fail(f"job {job!r}: `raylane submit` takes a registered job; run a job of your own file or module on the cluster with "
+              f"`raylane run {job} --address HOST:PORT`, or register it in a package's `raylane.jobs` entry points")
     try:
         spec = registry.get(job)
         load_job_config(spec, config_file=config, overrides=set_, run_name=run_name)  # refuse a bad config here, not on the cluster

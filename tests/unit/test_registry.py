@@ -33,3 +33,29 @@ def test_a_config_without_a_driver_field_is_refused_saying_what_to_add():
         driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=5))
 
     assert JobSpec("mine", "my job", Good, lambda c: None).config_cls is Good
+
+
+def test_a_users_job_by_file_or_module_and_each_way_it_can_be_wrong(tmp_path, monkeypatch):
+    from raylane.registry import JobSpec, UnknownJobError, get
+
+    (tmp_path / "myjobs").mkdir()
+    (tmp_path / "myjobs" / "__init__.py").write_text("")
+    body = ("from dataclasses import dataclass, field\nfrom raylane.api import DriverConfig, JobSpec\n"
+            "@dataclass\nclass C:\n    driver: DriverConfig = field(default_factory=DriverConfig)\n"
+            "JOB = JobSpec('mine', 'a job of my own', C, lambda c: None)\nOTHER = 3\n")
+    (tmp_path / "myjobs" / "first.py").write_text(body)
+    (tmp_path / "broken.py").write_text("import nosuchmodule_xyz\n")
+    monkeypatch.chdir(tmp_path)
+    assert isinstance(get("myjobs/first.py:JOB"), JobSpec) and get("myjobs/first.py:JOB").name == "mine"
+    assert get("myjobs.first:JOB").name == "mine"  # as a module of the current folder
+    bad = {
+        "myjobs/nope.py:JOB": "no file 'myjobs/nope.py'",
+        "myjobs/first.py:MISSING": "'myjobs/first.py' has no 'MISSING'; its JobSpecs: JOB",
+        "myjobs/first.py:OTHER": "'OTHER' in 'myjobs/first.py' is of type int, not a JobSpec",
+        "broken.py:JOB": "importing .*broken.py' failed: ModuleNotFoundError: No module named 'nosuchmodule_xyz'",
+        "myjobs.absent:JOB": "importing module 'myjobs.absent' failed: ModuleNotFoundError",
+        "myjobs/first.py:": "give a registered name, path/to/file.py:NAME or package.module:NAME",
+    }
+    for target, message in bad.items():
+        with pytest.raises(UnknownJobError, match=message):
+            get(target)

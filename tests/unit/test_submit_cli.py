@@ -68,6 +68,7 @@ def flat(text: str) -> str:
         (["linreg", "--set", "workers"], "key=value"),
         (["linreg", "--config", "no/such/file.yaml"], "no/such/file.yaml"),
         (["linreg", "--run-name", "a/b"], "--run-name 'a/b'"),
+        (["examples/dp_classifier.py:JOB"], "`raylane submit` takes a registered job"),
     ],
 )
 def test_a_bad_submission_is_refused_before_anything_is_sent(recorder, args, message):

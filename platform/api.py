@@ -1,0 +1,86 @@
+"""raylane's public Python API: what a workload of your own is written against, and one
+call that runs any job, yours or a built-in one, and returns its summary.
+
+A workload subclasses :class:`BaseWorkload`: it declares its roles (:class:`RoleSpec`:
+resources, count, stateful or not), builds its actor groups in ``setup`` (a
+:class:`TaskPool` of interchangeable actors, or a :class:`Gang` of ranked ones), does one
+step per ``step`` call, and gives its state as tensors and plain values in ``state_dict``.
+The driver does the rest: placement by node speed and market, checkpoints, recovery from
+lost actors and nodes, preemption notices, elastic pools. A :class:`JobSpec` names the
+workload with its config (a dataclass with a ``driver: DriverConfig`` field), so the
+command line runs it too::
+
+    raylane run path/to/my_job.py:JOB --set workers=4
+
+    from raylane.api import run
+    summary = run("path/to/my_job.py:JOB", overrides=["workers=4"])
+
+``examples/dp_classifier.py`` is a whole workload in under 120 lines. Everything named in
+``__all__`` is the stable surface; the rest of the package may change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from raylane import config as cfg
+from raylane.checkpoint import CheckpointStore
+from raylane.errors import LOST, CallTimeoutError, GroupLost, PoolError, WorkError, is_recoverable
+from raylane.group import Gang, Membership, TaskPool
+from raylane.placement import RoleSpec
+from raylane.registry import JobSpec, UnknownJobError
+from raylane.workload import BaseWorkload, Context, DriverConfig, DriverError, Workload
+
+__all__ = [
+    "LOST", "BaseWorkload", "CallTimeoutError", "CheckpointStore", "Context", "DriverConfig", "DriverError", "Gang",
+    "GroupLost", "JobSpec", "Membership", "PoolError", "RoleSpec", "TaskPool", "UnknownJobError", "WorkError", "Workload",
+    "is_recoverable", "job", "job_config", "run",
+]
+
+
+def job(name: str | JobSpec) -> JobSpec:
+    """A job: a :class:`JobSpec` as given, a registered name (``"ppo"``), or a spec of
+    your own by ``"path/to/file.py:NAME"`` or ``"package.module:NAME"``."""
+    from raylane import registry
+
+    return name if isinstance(name, JobSpec) else registry.get(name)
+
+
+def job_config(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[str] = (), config_file: str | None = None) -> Any:
+    """The job's checked config: its defaults <- ``config`` (an instance of the job's
+    config class, or a dict of its keys) <- the YAML ``config_file`` <- ``overrides``
+    (``"key=value"`` as ``--set`` takes them). A bad value raises ``ConfigError`` naming
+    the key and what is valid."""
+    s = job(spec)
+    data = cfg.to_dict(config) if _dataclass_instance(config) else dict(config or {})
+    return cfg.load_config(s.config_cls, data=data, yaml_path=config_file, overrides=list(overrides))
+
+
+def run(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[str] = (), config_file: str | None = None,
+        address: str | None = None, run_name: str | None = None, progress: bool = False, new: bool = False,
+        resume_with_changes: bool = False) -> dict[str, Any]:
+    """Run a job to its end; returns the run's summary (state, steps, final metrics, run folder).
+
+    ``spec`` and ``config``/``config_file``/``overrides`` as for :func:`job` and
+    :func:`job_config`. ``address``: None runs on the Ray this process is already
+    connected to, else on an embedded Ray of this machine that listens on 127.0.0.1 only;
+    ``"auto"`` or ``"host:port"`` joins a cluster (with a deadline). A ``run_name`` that
+    already has a run folder resumes it when the config is the one it started with;
+    ``new`` starts a fresh run under a free name instead, ``resume_with_changes``
+    continues with the changed keys (they are listed). A run that ends FAILED raises
+    :class:`DriverError`; a stopped one returns with ``state == "stopped"``."""
+    from raylane.launch import run_job
+
+    s = job(spec)
+    conf = job_config(s, config, overrides=overrides, config_file=config_file)
+    if run_name is not None:
+        conf.driver.run_name = run_name
+    conf.driver.progress = progress
+    cfg.validate(conf)
+    return run_job(s, conf, address=address, new=new, resume_with_changes=resume_with_changes)
+
+
+def _dataclass_instance(value: Any) -> bool:
+    import dataclasses
+
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
