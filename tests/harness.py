@@ -17,6 +17,9 @@ background thread (``during``: a schedule that follows the step count).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -165,3 +168,24 @@ def ranks_now(run_dir: Path | str, kind: str, key: str) -> dict[int, Any]:
         if e["event"] == kind:
             out.update({int(r): v for r, v in e.get(key, {}).items()})
     return out
+
+
+@contextlib.contextmanager
+def ray_in_folder(folder: Path | str, num_cpus: int):
+    """A local Ray started from ``folder``, as a user starts raylane from their project: the
+    driver's working folder is on every worker's import path (and on this process's), so
+    the project's own modules import everywhere. Restores the folder and path after."""
+    import ray
+
+    before = os.getcwd()
+    os.chdir(folder)
+    sys.path.insert(0, str(folder))
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        yield Path(folder)
+    finally:
+        ray.shutdown()
+        os.chdir(before)
+        sys.path.remove(str(folder))

@@ -16,7 +16,7 @@ from raylane.api import job, job_config, run
 from raylane.checkpoint import CheckpointStore
 from raylane.runlog import read_jsonl
 
-from harness import drive  # tests/harness.py
+from harness import drive, ray_in_folder  # tests/harness.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -28,18 +28,8 @@ DP = f"{ROOT / 'examples' / 'dp_classifier.py'}:JOB"
 def ray_at_root():
     """Ray started from the folder that holds examples/, as a user runs raylane from their
     project: the driver's working folder is on every worker's import path."""
-    before = os.getcwd()
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ROOT
-    finally:
-        ray.shutdown()
-        os.chdir(before)
-        sys.path.remove(str(ROOT))
+    with ray_in_folder(ROOT, num_cpus=4) as root:
+        yield root
 
 
 def settings(tmp_path, name: str, steps: int) -> list[str]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 
 import pytest
-import ray
 
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.ppo import PPOConfig, PPOWorkload
 from raylane.runlog import read_jsonl
+from harness import ray_in_folder  # tests/harness.py
 from plugin_envs import PLUGIN  # tests/plugin_envs.py: a corridor env and its registration
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -21,22 +21,12 @@ MODULE = "raylane_user_envs"
 def ray_in_project(tmp_path_factory):
     """A user's project folder holding their env module, Ray started from it: Ray puts the
     driver's working folder on every worker's import path, as for `raylane run` there."""
-    import os
-
     folder = tmp_path_factory.mktemp("project")
     (folder / f"{MODULE}.py").write_text(PLUGIN)
-    before = os.getcwd()
-    os.chdir(folder)
-    sys.path.insert(0, str(folder))
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
-        yield folder
+        with ray_in_folder(folder, num_cpus=3):
+            yield folder
     finally:
-        ray.shutdown()
-        os.chdir(before)
-        sys.path.remove(str(folder))
         sys.modules.pop(MODULE, None)
         import gymnasium as gym
 
