@@ -92,7 +92,7 @@ def jobs(
 
 @app.command()
 def run(
-    job: str = typer.Argument(..., help="The job to run (see `raylane jobs`)."),
+    job: str = typer.Argument(..., help="The job to run: a registered name (see `raylane jobs`), path/to/file.py:NAME or package.module:NAME."),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file with config overrides."),
     set_: List[str] = typer.Option([], "--set", "-s", help="Override a config key: key=value (repeatable)."),
     address: Optional[str] = typer.Option(None, help=ADDRESS_HELP),

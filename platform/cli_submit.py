@@ -75,7 +75,7 @@ def _ended(submission_id: str, status: str, client, summary: Optional[str] = Non
 
 
 def submit(
-    job: str = typer.Argument(..., help="The job to run (see `raylane jobs`)."),
+    job: str = typer.Argument(..., help="The job to run: a registered name (see `raylane jobs`), path/to/file.py:NAME or package.module:NAME (its folder is shipped)."),
     address: Optional[str] = typer.Option(None, help=ADDRESS),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file with config overrides (read here, sent as --set values)."),
     set_: List[str] = typer.Option([], "--set", "-s", help="Override a config key: key=value (repeatable)."),
@@ -92,9 +92,6 @@ def submit(
     from raylane.launch import load_job_config
     from raylane.submission import config_overrides
 
-    if ":" in job:  # the cluster would need the file: it is not shipped yet
-        _fail(f"job {job!r}: `raylane submit` takes a registered job; run a job of your own file or module on the cluster with "
-              f"`raylane run {job} --address HOST:PORT`, or register it in a package's `raylane.jobs` entry points")
     try:
         spec = registry.get(job)
         load_job_config(spec, config_file=config, overrides=set_, run_name=run_name)  # refuse a bad config here, not on the cluster
@@ -102,7 +99,10 @@ def submit(
     except (registry.UnknownJobError, cfg.ConfigError) as exc:
         _fail(str(exc))
     client = _client(address)
-    submission_id = _guard(lambda: client.submit(spec.name, overrides, run_name=run_name))
+    # A registered job runs as installed on the cluster; a job of the user's own file or
+    # module is shipped with it (raylane.submission.shipped).
+    target = job if ":" in job else spec.name
+    submission_id = _guard(lambda: client.submit(target, overrides, run_name=run_name, name=spec.name))
     typer.echo(f"submitted {spec.name} as {submission_id} to {client.url}")
     if not follow:
         typer.echo(f"watch: raylane logs {submission_id} --follow   status: raylane status {submission_id}   stop: raylane stop {submission_id}", err=True)

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from raylane import security
-from raylane.submission import ADDRESS_ENV, SubmissionError, ambient_address_note, dev_cluster_gcs, entrypoint, resolve_address
+from raylane.submission import ADDRESS_ENV, SubmissionError, ambient_address_note, dev_cluster_gcs, entrypoint, resolve_address, shipped
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -172,12 +172,19 @@ class JobsClient:
 
     # ---------------------------------------------------------------------------- calls
 
-    def submit(self, job: str, overrides: Sequence[str], *, run_name: str | None = None) -> str:
+    def submit(self, job: str, overrides: Sequence[str], *, run_name: str | None = None, name: str | None = None) -> str:
+        """Submit ``job`` (a registered name, or a user's ``path/to/file.py:NAME`` or
+        ``package.module:NAME``, whose folder is shipped); ``name`` is the job's own name
+        for the metadata. Returns the submission id."""
+        runtime_env = None
+        if ":" in job:
+            job, folders = shipped(job)
+            runtime_env = {"py_modules": folders}
+        # Otherwise no runtime_env: the cluster's image has raylane installed (deploy/Dockerfile),
+        # and the dev cluster runs this very interpreter, so there is nothing to ship.
         command = entrypoint(job, overrides, run_name)
-        metadata = {"raylane.job": job, **({"raylane.run_name": run_name} if run_name else {})}
-        # No runtime_env: the cluster's image has raylane installed (deploy/Dockerfile), and
-        # the dev cluster runs this very interpreter, so there is nothing to ship.
-        return self._do(lambda: self._client.submit_job(entrypoint=command, metadata=metadata), f"submitting {job}")
+        metadata = {"raylane.job": name or job, **({"raylane.run_name": run_name} if run_name else {})}
+        return self._do(lambda: self._client.submit_job(entrypoint=command, metadata=metadata, runtime_env=runtime_env), f"submitting {name or job}")
 
     def info(self, submission_id: str) -> JobInfo:
         return JobInfo.from_ray(self._do(lambda: self._client.get_job_info(submission_id), f"looking up {submission_id}"))

@@ -22,18 +22,26 @@ another place (:func:`ambient_address_note`). The job's driver is not affected e
 way: the cluster's job supervisor sets its RAY_ADDRESS to the cluster's own GCS, so it
 always joins the cluster it was submitted to.
 
+A job of the user's own (``path/to/file.py:NAME`` or ``package.module:NAME``) is not
+installed on the cluster: the folder holding it travels as a runtime_env ``py_modules``
+package (:func:`shipped`), on the import path of the job's driver and of its workers, and
+the job runs ``python -m raylane run package.module:NAME --address auto``. The job's
+working folder stays the cluster's own, so its ``runs/`` lands where a registered job's does.
+
 The calls themselves, each with a deadline and every error a :class:`SubmissionError`
 with one sentence on what to do, are :class:`raylane.jobs_client.JobsClient`.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 import shlex
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -97,9 +105,32 @@ def config_overrides(config_file: str | None, overrides: Sequence[str]) -> list[
     return out + list(overrides)
 
 
+def shipped(job: str) -> tuple[str, list[str]]:
+    """A user's job as the cluster names it, and the folders to ship as ``py_modules``:
+    ``path/to/file.py:NAME`` ships ``path/to`` as the package ``to`` (the cluster runs
+    ``to.file:NAME``); ``package.module:NAME`` ships the folder of ``package``."""
+    where, _, name = job.rpartition(":")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where).resolve()
+        folder = path.parent
+        if not folder.name.isidentifier() or not path.stem.isidentifier():
+            raise SubmissionError(f"job {job!r}: the folder {folder.name!r} travels to the cluster as a Python package holding module "
+                                  f"{path.stem!r}; both names must be Python identifiers: rename them, or install the job as a package")
+        return f"{folder.name}.{path.stem}:{name}", [str(folder)]
+    top = where.split(".")[0]
+    try:
+        folders = list(getattr(importlib.import_module(top), "__path__", []))
+    except ImportError as exc:
+        raise SubmissionError(f"job {job!r}: {top!r} does not import here ({exc}); submit from the folder that holds it") from None
+    if not folders:
+        raise SubmissionError(f"job {job!r}: {top!r} is a single-file module; submit it as path/to/{top}.py:{name}, or put it in a package folder")
+    return job, [folders[0]]
+
+
 def entrypoint(job: str, overrides: Sequence[str], run_name: str | None = None, python: str = "python") -> str:
-    """The shell command the cluster runs; every argument quoted, so a value is never split or expanded."""
-    argv = [python, "-m", job_module(job)]
+    """The shell command the cluster runs; every argument quoted, so a value is never split or expanded.
+    ``job`` is a registered name, or a user's ``package.module:NAME`` as :func:`shipped` gives it."""
+    argv = [python, "-m", "raylane", "run", job, "--address", "auto"] if ":" in job else [python, "-m", job_module(job)]
     for item in overrides:
         argv += ["--set", item]
     if run_name is not None:

@@ -150,6 +150,19 @@ def test_submit_follow_runs_a_job_to_succeeded_with_its_run_summary(dev):
     assert followed.returncode == 0 and "run folder: runs/follow-1" in followed.stdout and "SUCCEEDED" in followed.stderr
 
 
+def test_a_job_of_the_users_own_file_is_shipped_and_followed_to_its_summary(dev):
+    example = Path(__file__).resolve().parents[2] / "examples" / "dp_classifier.py"
+    out = dev.run("submit", f"{example}:JOB", "--follow", "--set", "driver.max_steps=3", "--run-name", "mine-1", timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    submission_id = flat(out.stdout).split(" as ", 1)[1].split()[0]
+    assert "dp_classifier: finished after 3 steps" in out.stdout, out.stdout[-2000:]
+    summary = json.loads((dev.cwd / "runs" / "mine-1" / "summary.json").read_text())  # in the cluster's working folder
+    assert (summary["job"], summary["state"], summary["steps"]) == ("dp_classifier", "finished", 3)
+    info = dev.status(submission_id)
+    assert info["metadata"] == {"raylane.job": "dp_classifier", "raylane.run_name": "mine-1"}
+    assert "raylane run examples.dp_classifier:JOB --address auto" in info["entrypoint"]
+
+
 def _cluster_node_ids(dev) -> set[str]:
     out = dev.run("cluster", "--address", dev.state.gcs_address, "--json", "--no-calibrate", env=dict(dev.env, RAY_AUTH_MODE="token"))
     assert out.returncode == 0, out.stderr

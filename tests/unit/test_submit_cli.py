@@ -68,7 +68,7 @@ def flat(text: str) -> str:
         (["linreg", "--set", "workers"], "key=value"),
         (["linreg", "--config", "no/such/file.yaml"], "no/such/file.yaml"),
         (["linreg", "--run-name", "a/b"], "--run-name 'a/b'"),
-        (["examples/dp_classifier.py:JOB"], "`raylane submit` takes a registered job"),
+        (["examples/dp_classifier.py:JOB", "--set", "wokers=2"], "unknown key 'wokers' for DPConfig"),
     ],
 )
 def test_a_bad_submission_is_refused_before_anything_is_sent(recorder, args, message):
@@ -237,3 +237,23 @@ def test_the_connection_file_and_the_ray_job_submit_command_name_the_cluster(tmp
                       "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     assert devcluster.submit_command(state) == (f"RAY_AUTH_MODE=token RAY_API_SERVER_ADDRESS=http://127.0.0.1:4321 "
                                                 f"RAY_AUTH_TOKEN_PATH={shlex.quote(str(token))} ray job submit -- python -m raylane.jobs.linreg")
+
+
+def test_a_users_job_travels_as_a_package_and_runs_through_raylane_run(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from raylane.submission import SubmissionError, entrypoint, shipped
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    assert shipped("examples/dp_classifier.py:JOB") == ("examples.dp_classifier:JOB", [str(root / "examples")])
+    assert entrypoint("examples.dp_classifier:JOB", ["workers=2"], "r1") == (
+        "python -m raylane run examples.dp_classifier:JOB --address auto --set workers=2 --run-name r1 --no-progress")
+    (tmp_path / "my-jobs").mkdir()
+    (tmp_path / "my-jobs" / "job.py").write_text("")
+    with pytest.raises(SubmissionError, match="folder 'my-jobs' travels to the cluster as a Python package"):
+        shipped(f"{tmp_path / 'my-jobs' / 'job.py'}:JOB")
+    (tmp_path / "single.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SubmissionError, match="'single' is a single-file module; submit it as path/to/single.py:JOB"):
+        shipped("single:JOB")
