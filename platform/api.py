@@ -34,7 +34,7 @@ from raylane.workload import BaseWorkload, Context, DriverConfig, DriverError, W
 __all__ = [
     "LOST", "BaseWorkload", "CallTimeoutError", "CheckpointStore", "Context", "DriverConfig", "DriverError", "Gang",
     "GroupLost", "JobSpec", "Membership", "PoolError", "RoleSpec", "TaskPool", "UnknownJobError", "WorkError", "Workload",
-    "is_recoverable", "job", "job_config", "run",
+    "is_recoverable", "job", "job_config", "run", "run_config",
 ]
 
 
@@ -57,7 +57,7 @@ def job_config(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[s
 
 
 def run(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[str] = (), config_file: str | None = None,
-        address: str | None = None, run_name: str | None = None, progress: bool = False, new: bool = False,
+        address: str | None = None, run_name: str | None = None, progress: bool | None = None, new: bool = False,
         resume_with_changes: bool = False) -> dict[str, Any]:
     """Run a job to its end; returns the run's summary (state, steps, final metrics, run folder).
 
@@ -72,12 +72,21 @@ def run(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[str] = (
     from raylane.launch import run_job
 
     s = job(spec)
-    conf = job_config(s, config, overrides=overrides, config_file=config_file)
+    return run_job(s, run_config(s, config, overrides=overrides, config_file=config_file, run_name=run_name, progress=progress),
+                   address=address, new=new, resume_with_changes=resume_with_changes)
+
+
+def run_config(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[str] = (), config_file: str | None = None,
+               run_name: str | None = None, progress: bool | None = None) -> Any:
+    """The config :func:`run` runs with: :func:`job_config`, then ``run_name`` and ``progress``
+    where given (None keeps what the config says), checked again."""
+    conf = job_config(spec, config, overrides=overrides, config_file=config_file)
     if run_name is not None:
         conf.driver.run_name = run_name
-    conf.driver.progress = progress
+    if progress is not None:
+        conf.driver.progress = progress
     cfg.validate(conf)
-    return run_job(s, conf, address=address, new=new, resume_with_changes=resume_with_changes)
+    return conf
 
 
 def _dataclass_instance(value: Any) -> bool:

@@ -34,7 +34,7 @@ def ray_at_root():
 
 def settings(tmp_path, name: str, steps: int) -> list[str]:
     return [f"driver.runs_dir={tmp_path}", f"driver.run_name={name}", f"driver.max_steps={steps}", "driver.tensorboard=false",
-            "driver.checkpoint_every_steps=4", "workers=3"]
+            "driver.checkpoint_every_steps=4", "driver.progress=false", "workers=3"]
 
 
 def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -85,7 +85,7 @@ def test_raylane_run_takes_a_file_and_its_workers_import_it_by_value(tmp_path):
 def test_ppo_trains_the_examples_own_gymnasium_env_named_by_module_and_id(ray_at_root, tmp_path):
     summary = run("ppo", overrides=[
         "env_id=examples.gridworld:Gridworld-v0", "workers=2", "envs_per_worker=4", "rollout_steps=128", "total_env_steps=60000",
-        "target_return=0.85", f"driver.runs_dir={tmp_path}", "driver.run_name=grid", "driver.tensorboard=false", "plot=false",
+        "target_return=0.85", f"driver.runs_dir={tmp_path}", "driver.run_name=grid", "driver.tensorboard=false", "driver.progress=false", "plot=false",
     ])
     assert summary["state"] == "finished", summary
     assert summary["final_metrics"]["return_mean"] >= 0.85, summary["final_metrics"]  # the best return on 5 x 5 is 0.93

@@ -59,3 +59,16 @@ def test_a_users_job_by_file_or_module_and_each_way_it_can_be_wrong(tmp_path, mo
     for target, message in bad.items():
         with pytest.raises(UnknownJobError, match=message):
             get(target)
+
+
+def test_run_keeps_what_the_config_says_unless_told_otherwise():
+    from raylane.api import run_config
+
+    from pathlib import Path
+
+    spec = f"{Path(__file__).resolve().parents[2] / 'examples' / 'dp_classifier.py'}:JOB"
+    assert run_config(spec, overrides=["driver.progress=true"]).driver.progress is True  # not overwritten by a default
+    assert run_config(spec, overrides=["driver.progress=true"], progress=False).driver.progress is False
+    assert run_config(spec, {"workers": 3}, run_name="mine").driver.run_name == "mine"
+    with pytest.raises(ValueError, match="run_name"):
+        run_config(spec, run_name="../out")
