@@ -177,10 +177,12 @@ class PPOWorkload(BaseWorkload):
         self._refresh_weights()
 
     def _learner_call(self, method: str, *args: Any) -> Any:
-        """The one learner's answer (a gang of one: lost, it raises ``GroupLost`` and its
-        replacement takes rank 0 on the next call; its state is the job's state)."""
+        """The one learner's answer. Its state is the job's state, so a learner lost at any
+        time (in a call or idle between two) raises ``GroupLost``: only :meth:`recover`
+        forms the gang again, and the driver then reloads the last checkpoint into the
+        replacement. Forming here would hand the call to a fresh learner and lose its
+        training without a word."""
         assert self.learner is not None
-        self.learner.form(timeout_s=180)
         return self.learner.call(method, *args, timeout_s=300, grace_s=0.0)[0]
 
     def _refresh_weights(self) -> None:

@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+import ray
 
 from raylane import config as cfg
 from raylane.driver import Driver
@@ -75,15 +76,28 @@ def test_a_sampler_killed_mid_epoch_is_replaced_and_the_epoch_completes(referenc
     assert abs(final["test_acc"] - reference["test_acc"]) <= 0.01, (final, reference)
 
 
-def test_a_killed_trainer_resumes_from_the_last_checkpoint(reference, tmp_path):
+@pytest.mark.parametrize("when", ["in_a_step", "between_steps"])
+def test_a_killed_trainer_resumes_from_the_last_checkpoint(reference, tmp_path, when):
+    """Killed while a step runs, or idle between two steps (no call of it in flight):
+    either way its replacement is loaded from the checkpoint, never trained on from
+    scratch as if nothing happened."""
     workload, driver = make(tmp_path, "trainerkill", "driver.checkpoint_every_steps=2")
+
+    def kill_trainer() -> None:
+        handle = workload.trainer.actors()[0]
+        os.kill(ray.get(handle.info.remote(), timeout=30)["pid"], signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayActorError):  # dead before the step goes on
+            ray.get(handle.info.remote(), timeout=30)
 
     def kill(steps):
         steps.wait(6, poll_s=0.005)
         pid = workload.trainer.call_all("info", timeout_s=30)[0]["pid"]
         os.kill(pid, signal.SIGKILL)
 
-    run = drive(workload, driver, during=kill, join_s=30)
+    if when == "in_a_step":
+        run = drive(workload, driver, during=kill, join_s=30)
+    else:
+        run = drive(workload, driver, at={6: kill_trainer})
     summary, events, steps = run.summary, run.events, run.steps
     assert summary["state"] == "finished" and summary["failures_recovered"] == 1, summary
     failure = next(e for e in events if e["event"] == "failure")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -107,15 +106,32 @@ def test_every_rollout_worker_killed_mid_iteration_is_sampled_again_without_a_ro
     assert all(e["node"] and e["actor"] and "died" in e["reason"] for e in evictions), evictions
 
 
-def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_local, tmp_path):
+def _kill_learner(workload) -> ray.actor.ActorHandle:
+    learner = workload.learner.handles()[0]
+    os.kill(ray.get(learner.info.remote(), timeout=30)["pid"], signal.SIGKILL)
+    return learner
+
+
+@pytest.mark.parametrize("when", ["in_a_step", "between_steps"])
+def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_local, tmp_path, when):
+    """Killed while a step runs, or idle between two steps (the driver has not called it
+    since): either way the replacement must be loaded from the checkpoint, never trained
+    on from scratch as if nothing happened."""
     workload, driver = make(tmp_path, "learnerkill", total_env_steps=40_000, target_return=None, driver={"checkpoint_every_steps": 5})
 
     def kill(steps):
         steps.wait(13, poll_s=0.01)
-        pid = ray.get(workload.learner.handles()[0].info.remote(), timeout=30)["pid"]
-        os.kill(pid, signal.SIGKILL)
+        _kill_learner(workload)
 
-    run = drive(workload, driver, during=kill, join_s=30)
+    def kill_idle():
+        learner = _kill_learner(workload)
+        with pytest.raises(ray.exceptions.RayActorError):  # dead before step 13 calls it
+            ray.get(learner.info.remote(), timeout=30)
+
+    if when == "in_a_step":
+        run = drive(workload, driver, during=kill, join_s=30)
+    else:
+        run = drive(workload, driver, at={13: kill_idle})
     summary, events, steps = run.summary, run.events, run.steps
     assert summary["state"] == "finished" and summary["failures_recovered"] == 1
     failure = next(e for e in events if e["event"] == "failure")
