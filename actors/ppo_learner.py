@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import copy
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
 import torch
 from torch import nn
 
-from raylane.actors.policy import ActorCritic, RunningMeanStd, SpaceSpec
+from raylane.actors.policy import ActorCritic, NetConfig, RunningMeanStd, SpaceSpec, build_net
 
 
 def gae(
@@ -64,11 +64,11 @@ def ppo_loss(
     ent_coef: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate policy loss + vf_coef * 0.5 * MSE(value) - ent_coef * entropy."""
-    dist = net.dist(obs_bd)
+    dist, value_b = net.dist_value(obs_bd)
     logp_b = net.log_prob(dist, act_b)
     ratio_b = (logp_b - old_logp_b).exp()
     pg_loss = torch.max(-adv_b * ratio_b, -adv_b * ratio_b.clamp(1 - clip, 1 + clip)).mean()
-    v_loss = 0.5 * (net.value(obs_bd) - ret_b).pow(2).mean()
+    v_loss = 0.5 * (value_b - ret_b).pow(2).mean()
     entropy = net.entropy(dist).mean()
     loss = pg_loss + vf_coef * v_loss - ent_coef * entropy
     with torch.no_grad():
@@ -84,8 +84,8 @@ class LearnerConfig:
 
     spec: SpaceSpec
     """The environment's spaces."""
-    hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer sizes."""
+    net: NetConfig = field(default_factory=NetConfig)
+    """The network (built-in MLPs, or the user's factory)."""
     lr: float = 1e-3
     """Adam learning rate (annealed linearly to 0 over the run when ``anneal``)."""
     anneal: bool = True
@@ -123,7 +123,7 @@ class Learner:
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.net = ActorCritic(cfg.spec, cfg.hidden).to(self.device)
+        self.net = build_net(cfg.spec, cfg.net).to(self.device)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=cfg.lr, eps=1e-5, foreach=True)
         self.rms = RunningMeanStd(cfg.spec.obs_dim)
         self.version = 0

@@ -8,38 +8,32 @@ first call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
 import torch
 
-from raylane.actors.policy import ActorCritic, NumpyPolicy, RunningMeanStd, SpaceSpec
+from raylane.actors.envs import EnvRecipe, make_vector_env
+from raylane.actors.policy import NetConfig, RunningMeanStd, SpaceSpec, acting_policy, build_net
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     """One rollout worker's slice of the job's config."""
 
-    env_id: str
-    """Gymnasium environment id."""
+    env: EnvRecipe | str
+    """How to make one env copy (a plain string: a gymnasium id without kwargs or wrappers)."""
     num_envs: int
     """Environment copies stepped together in one vector env."""
     seed: int
     """This worker's seed; env copy i is seeded ``seed + i``."""
     spec: SpaceSpec
     """The environment's spaces, checked by the driver before any worker started."""
-    hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer sizes of the policy network."""
-
-
-def make_vector_env(env_id: str, num_envs: int):
-    import gymnasium as gym
-    from gymnasium.vector import AutoresetMode, SyncVectorEnv
-
-    # SAME_STEP autoreset: an episode's last observation comes back in info["final_obs"]
-    # in the step that ended it, which is what bootstrapping a truncated episode needs.
-    return SyncVectorEnv([lambda: gym.make(env_id) for _ in range(num_envs)], autoreset_mode=AutoresetMode.SAME_STEP)
+    net: NetConfig = field(default_factory=NetConfig)
+    """The policy network (built-in MLPs, or the user's factory)."""
+    vector: str = "sync"
+    """Vector-env backend: see :data:`raylane.actors.envs.VECTOR_BACKENDS`."""
 
 
 class Sampler:
@@ -48,14 +42,14 @@ class Sampler:
     def __init__(self, cfg: RolloutConfig):
         torch.set_num_threads(1)
         self.cfg = cfg
-        self.env = make_vector_env(cfg.env_id, cfg.num_envs)
+        self.env = make_vector_env(cfg.env, cfg.num_envs, cfg.vector)
         self.seeds = [cfg.seed + i for i in range(cfg.num_envs)]
         self.obs, _ = self.env.reset(seed=self.seeds)
         self.env.action_space.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.rng = np.random.default_rng(cfg.seed)
-        initial = {k: v.numpy() for k, v in ActorCritic(cfg.spec, cfg.hidden).state_dict().items()}
-        self.policy = NumpyPolicy(cfg.spec, initial, self.rng)
+        initial = {k: v.numpy() for k, v in build_net(cfg.spec, cfg.net).state_dict().items()}
+        self.policy = acting_policy(cfg.spec, cfg.net, initial, self.rng, cfg.seed)
         self.rms = RunningMeanStd(cfg.spec.obs_dim)
         self.normalize = False
         self.version = -1
@@ -66,7 +60,7 @@ class Sampler:
         # Always load: after a recovery the learner reuses version numbers with other
         # parameters, so a version check could keep stale weights (and loading is ~us).
         self.normalize = bool(weights.get("normalize", True))
-        self.policy = NumpyPolicy(self.cfg.spec, weights["params"], self.rng)
+        self.policy = acting_policy(self.cfg.spec, self.cfg.net, weights["params"], self.rng, self.cfg.seed, self.policy)
         self.rms.load(weights["obs_rms"])
         self.version = weights["version"]
 

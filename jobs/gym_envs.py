@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from typing import Any, Callable
+
+from raylane import imports
+from raylane.actors.envs import EnvBuildError, EnvRecipe, build
 
 # Namespaces registered by well-known plugin packages: (module to import, pip package).
 PLUGINS = {
@@ -72,11 +76,31 @@ def _unknown(env_id: str, name: str, module: str | None, added: list[str]) -> st
     return f"env_id {env_id!r} is not a registered gymnasium environment.{hint}"
 
 
-def make(env_id: str):
-    """``gym.make`` with a missing optional dependency (box2d, MuJoCo) as one line."""
+def make(env: str | EnvRecipe):
+    """One env (with its kwargs and wrappers when given a recipe); a missing optional
+    dependency (box2d, MuJoCo), a kwarg the env refuses or a wrapper that fails is one
+    line naming it."""
     import gymnasium as gym
 
+    recipe = env if isinstance(env, EnvRecipe) else EnvRecipe(env)
     try:
-        return gym.make(env_id)
+        return build(recipe)
+    except EnvBuildError as exc:
+        raise EnvError(str(exc)) from None
     except gym.error.DependencyNotInstalled as exc:
-        raise EnvError(f"env_id {env_id!r} needs a package that is not installed: {str(exc).strip().splitlines()[0]}") from None
+        raise EnvError(f"env_id {recipe.env_id!r} needs a package that is not installed: {str(exc).strip().splitlines()[0]}") from None
+
+
+def load_wrappers(paths: list[str]) -> tuple[Callable[[Any], Any], ...]:
+    """The wrappers named by import path (``package.module:NAME`` or ``path/file.py:NAME``),
+    each a callable; :class:`EnvError` names the one that does not import."""
+    out = []
+    for path in paths:
+        try:
+            wrapper = imports.load_object(path, "wrapper")
+        except imports.ImportPathError as exc:
+            raise EnvError(str(exc)) from None
+        if not callable(wrapper):
+            raise EnvError(f"wrapper {path!r} is a {type(wrapper).__name__}, not a callable env -> env")
+        out.append(wrapper)
+    return tuple(out)

@@ -13,13 +13,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import ray
 
 from raylane import config as cfg
-from raylane.actors.policy import SpaceSpec, space_spec
+from raylane import imports
+from raylane.actors.envs import EnvRecipe
+from raylane.actors.policy import NetConfig, PolicyFactoryError, SpaceSpec, check_factory, space_spec
 from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
 from raylane.driver import Context, DriverConfig
@@ -45,6 +47,17 @@ class PPOConfig:
     env_module: str | None = None
     """A module to import before making the env, in the driver and every rollout worker
     (the same as writing ``module:EnvId``)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``gym.make``: the env's own (``env_kwargs.size=5``) or
+    gymnasium's (``env_kwargs.max_episode_steps=200``)."""
+    wrappers: list[str] = field(default_factory=list)
+    """Wrappers applied in order to every env copy, each by import path
+    (``package.module:NAME`` or ``path/to/file.py:NAME``): a callable env -> env, such as
+    a gymnasium wrapper class (``gymnasium.wrappers:FlattenObservation``). A wrapper that
+    needs arguments: write a function of your own that applies it."""
+    vector: Literal["sync", "async"] = "sync"
+    """How a worker steps its env copies: ``sync`` in its own process (cheap envs), ``async``
+    one subprocess per copy (envs whose step costs milliseconds; raise worker_cpus to match)."""
     workers: int = cfg.field(2, ge=1)
     """Rollout worker actors."""
     max_workers: int = cfg.field(16, ge=1)
@@ -86,7 +99,14 @@ class PPOConfig:
     reward_scale: float = cfg.field(1.0, gt=0)
     """Multiply rewards by this before computing advantages (0.1 suits Pendulum's -16..0 rewards)."""
     hidden: list[int] = cfg.field(default_factory=lambda: [64, 64], ge=1)
-    """Hidden layer sizes of the policy and value networks."""
+    """Hidden layer sizes of the built-in policy and value networks."""
+    activation: Literal["tanh", "relu", "elu", "silu"] = "tanh"
+    """Activation of the built-in networks."""
+    policy: str | None = None
+    """Your own network, by import path of a factory: ``factory(spec) -> nn.Module`` whose
+    ``forward(obs [B, obs_dim])`` returns ``(out [B, act_dim], value [B])`` (out: action
+    logits for Discrete actions, the action mean for Box). ``spec`` has obs_dim, act_dim,
+    discrete. It replaces the built-in networks, so hidden and activation are then refused."""
     overlap: bool = True
     """Sample the next batch while the learner updates on this one. The next batch then
     comes from the policy one update old; PPO's ratio against the recorded behaviour
@@ -103,7 +123,7 @@ class PPOConfig:
     def validate(self) -> None:
         if self.workers > self.max_workers:
             raise ValueError(f"workers ({self.workers}) must not exceed max_workers ({self.max_workers})")
-        check_env(self.env_id, self.env_module)
+        resolve(self)
 
     @property
     def make_id(self) -> str:
@@ -111,13 +131,35 @@ class PPOConfig:
         return gym_envs.resolve(self.env_id, self.env_module)
 
 
-def check_env(env_id: str, env_module: str | None = None) -> SpaceSpec:
+def check_env(env_id: str | EnvRecipe, env_module: str | None = None) -> SpaceSpec:
     """The env's space description; a clear error for an unknown id or unsupported spaces."""
-    env = gym_envs.make(gym_envs.resolve(env_id, env_module))
+    env = gym_envs.make(env_id if isinstance(env_id, EnvRecipe) else gym_envs.resolve(env_id, env_module))
     try:
         return space_spec(env.observation_space, env.action_space)
     finally:
         env.close()
+
+
+def resolve(c: PPOConfig) -> tuple[EnvRecipe, NetConfig, SpaceSpec]:
+    """The env recipe, the network and the spaces the config means, each tried here (an
+    env made and wrapped, the user's network run on a batch) before any actor starts."""
+    recipe = EnvRecipe(c.make_id, dict(c.env_kwargs), gym_envs.load_wrappers(c.wrappers), tuple(c.wrappers))
+    spec = check_env(recipe)
+    if c.policy is None:
+        return recipe, NetConfig(tuple(c.hidden), c.activation), spec
+    changed = [k for k, v in (("hidden", c.hidden != [64, 64]), ("activation", c.activation != "tanh")) if v]
+    if changed:
+        raise ValueError(f"policy={c.policy!r} builds the whole network, so {' and '.join(changed)} would be ignored; "
+                         "drop them or let your factory read its own settings")
+    try:
+        factory = imports.load_object(c.policy, "policy")
+    except imports.ImportPathError as exc:
+        raise PolicyFactoryError(str(exc)) from None
+    if not callable(factory):
+        raise PolicyFactoryError(f"policy {c.policy!r} is a {type(factory).__name__}, not a callable factory(spec) -> nn.Module")
+    net = NetConfig(tuple(c.hidden), c.activation, factory, c.policy)
+    check_factory(spec, net)
+    return recipe, net, spec
 
 
 class PPOWorkload(BaseWorkload):
@@ -128,12 +170,12 @@ class PPOWorkload(BaseWorkload):
 
     def __init__(self, config: PPOConfig):
         self.config = config
-        self.spec = check_env(config.env_id, config.env_module)
+        self.recipe, self.net, self.spec = resolve(config)
         self.env_steps = 0
         self.episodes = 0
         self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)
         self.workers: TaskPool | None = None
-        self.learner: Gang | None  # a gang of one = None
+        self.learner: Gang | None = None  # a gang of one
         self._weights_ref = None
         self._seeds_logged: set[int] = set()
         self._inflight: list[int] | None = None
@@ -152,7 +194,7 @@ class PPOWorkload(BaseWorkload):
     def _learner_config(self) -> LearnerConfig:
         c = self.config
         return LearnerConfig(
-            spec=self.spec, hidden=tuple(c.hidden), lr=c.lr, anneal=c.anneal, gamma=c.gamma, lam=c.gae_lambda, clip=c.clip,
+            spec=self.spec, net=self.net, lr=c.lr, anneal=c.anneal, gamma=c.gamma, lam=c.gae_lambda, clip=c.clip,
             epochs=c.epochs, minibatches=c.minibatches, ent_coef=c.ent_coef, vf_coef=c.vf_coef, max_grad_norm=c.max_grad_norm,
             norm_adv=c.norm_adv, normalize_obs=c.normalize_obs, reward_scale=c.reward_scale, seed=c.seed,
         )
@@ -161,7 +203,7 @@ class PPOWorkload(BaseWorkload):
         c = self.config
         # Each worker (and each replacement: keys are never reused) gets its own seed
         # range, so no two env copies in a run share a seed.
-        rc = RolloutConfig(c.make_id, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, tuple(c.hidden))
+        rc = RolloutConfig(self.recipe, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, self.net, c.vector)
         return (rc,), {}
 
     def setup(self, ctx: Context) -> None:

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import importlib
-import importlib.util
-import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -88,53 +83,19 @@ def load_spec(target: str) -> JobSpec:
     The module is registered with Ray's cloudpickle to travel by value, so the actor
     classes and functions it defines reach every worker without being installed there.
     Each failure is an :class:`UnknownJobError` naming what was tried."""
+    from raylane.imports import ImportPathError, load_module
+
     where, _, attr = target.rpartition(":")
     if not where or not attr.isidentifier():
         raise UnknownJobError(f"job {target!r}: give a registered name, path/to/file.py:NAME or package.module:NAME (NAME: the JobSpec's variable)")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _import_file(Path(where), target)
-    else:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))  # as `python -m` would: the current folder's packages
-        try:
-            module = importlib.import_module(where)
-        except Exception as exc:  # noqa: BLE001 - any error importing the user's module is theirs to fix
-            raise UnknownJobError(f"job {target!r}: importing module {where!r} failed: {_first_line(exc)}") from None
+    try:
+        module = load_module(where, target, "job")
+    except ImportPathError as exc:
+        raise UnknownJobError(str(exc)) from None
     spec = getattr(module, attr, None)
     if not isinstance(spec, JobSpec):
         found = sorted(k for k, v in vars(module).items() if isinstance(v, JobSpec))
         what = f"{where!r} has no {attr!r}" if spec is None else f"{attr!r} in {where!r} is of type {type(spec).__name__}, not a JobSpec"
         raise UnknownJobError(f"job {target!r}: {what}; its JobSpecs: {', '.join(found) or 'none'} "
                               "(define NAME = JobSpec(name, summary, ConfigClass, WorkloadClass))")
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(module)
     return spec
-
-
-def _import_file(path: Path, target: str) -> Any:
-    if not path.is_file():
-        raise UnknownJobError(f"job {target!r}: no file {str(path)!r} (from {str(Path.cwd())!r})")
-    path = path.resolve()
-    # A private module name per file, so two user files called job.py do not collide.
-    name = f"raylane_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))  # its sibling modules import as they would under `python file.py`
-    loader = importlib.util.spec_from_file_location(name, path)
-    if loader is None or loader.loader is None:
-        raise UnknownJobError(f"job {target!r}: {str(path)!r} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(loader)
-    sys.modules[name] = module
-    try:
-        loader.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - any error running the user's file is theirs to fix
-        del sys.modules[name]
-        raise UnknownJobError(f"job {target!r}: importing {str(path)!r} failed: {_first_line(exc)}") from None
-    return module
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

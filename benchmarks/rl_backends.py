@@ -1,0 +1,104 @@
+"""PPO sampling per vector-env backend: raylane's rollout workers against a bare loop
+of the same gymnasium backend with random actions (the ceiling without a policy or Ray).
+
+For each backend (``sync``: every env copy in the sampling process; ``async``: one
+subprocess per copy), in one process tree and one local Ray:
+- bare loop: one vector env of WORKERS x ENVS copies stepped with random actions here;
+- bare loop + policy: raylane's own sampling code (policy inference included) in this process;
+- raylane: WORKERS rollout-worker actors of ENVS copies each, sampled through the task pool.
+Each is timed for about ``--seconds`` after a warm-up, and the ratio raylane / bare is printed.
+
+    python benchmarks/rl_backends.py [--env CartPole-v1] [--seconds 8] [--workers 2] [--envs 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import ray
+
+
+def timed(step, seconds: float) -> float:
+    """Steps per second of ``step()`` (which returns the env steps it made) over ``seconds``."""
+    step()  # warm-up
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        done += step()
+    return done / (time.perf_counter() - t0)
+
+
+def bare(env_id: str, backend: str, n: int, seconds: float) -> float:
+    from raylane.actors.envs import make_vector_env
+
+    env = make_vector_env(env_id, n, backend)
+    env.reset(seed=0)
+    env.action_space.seed(0)
+
+    def step() -> int:
+        for _ in range(64):
+            env.step(env.action_space.sample())
+        return 64 * n
+
+    try:
+        return timed(step, seconds)
+    finally:
+        env.close()
+
+
+def bare_with_policy(env_id: str, backend: str, n: int, seconds: float) -> float:
+    from raylane.actors.rollout_worker import RolloutConfig, Sampler
+    from raylane.jobs.ppo import check_env
+
+    s = Sampler(RolloutConfig(env_id, n, 0, check_env(env_id), vector=backend))
+    try:
+        return timed(lambda: s.sample(64)["rewards"].size, seconds)
+    finally:
+        s.env.close()
+
+
+def raylane(env_id: str, backend: str, workers: int, envs: int, seconds: float) -> float:
+    from raylane.actors.ppo_learner import Learner, LearnerConfig
+    from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
+    from raylane.group import TaskPool
+    from raylane.jobs.ppo import check_env
+    from raylane.placement import RoleSpec
+
+    spec = check_env(env_id)
+    weights = ray.put(Learner(LearnerConfig(spec=spec)).weights())
+    pool = TaskPool(RoleSpec("w", {"CPU": 0.5}, count=workers), RolloutWorker,
+                    actor_args=lambda k: ((RolloutConfig(env_id, envs, 1000 * k, spec, vector=backend),), {}))
+    pool.wait_ready(120)
+
+    def step() -> int:
+        out = pool.gather([pool.submit("sample", weights, 256) for _ in range(workers)], timeout_s=120)
+        return sum(b["rewards"].size for b in out.values())
+
+    try:
+        return timed(step, seconds)
+    finally:
+        pool.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--env", default="CartPole-v1")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--envs", type=int, default=8, help="env copies per worker")
+    ap.add_argument("--backends", default="sync,async")
+    args = ap.parse_args()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    n = args.workers * args.envs
+    for backend in args.backends.split(","):
+        b = bare(args.env, backend, n, args.seconds)
+        p = bare_with_policy(args.env, backend, n, args.seconds)
+        r = raylane(args.env, backend, args.workers, args.envs, args.seconds)
+        print(f"{backend:5s} {args.env}: bare loop {b:,.0f} steps/s; bare loop + policy {p:,.0f}; "
+              f"raylane {args.workers} workers x {args.envs} envs {r:,.0f}")
+        print(f"      raylane / bare = {r / b:.2f}; raylane / (bare + policy) = {r / p:.2f}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
