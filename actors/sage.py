@@ -1,4 +1,5 @@
-"""GraphSAGE (PyG's ``SAGEConv`` layers) and the trainer actor that fits it on sampled batches.
+"""The GNN (PyG's ``SAGEConv``, ``GCNConv``, ``GATConv`` or ``GINConv`` layers) and the
+trainer actor that fits it on sampled batches.
 
 The trainer is the job's stateful role: model, optimizer, and the torch random state
 (dropout) live here and are what a checkpoint holds. It trains on one sampled batch per
@@ -31,27 +32,52 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class SAGE(nn.Module):
-    """``layers`` SAGEConv layers (mean aggregation), ReLU and dropout between them."""
+MODELS = ("sage", "gcn", "gat", "gin")
+"""PyG layer per name: GraphSAGE (mean), GCN (symmetric normalisation, self-loops), GAT
+(multi-head attention; hidden layers concatenate their heads) and GIN (a two-layer MLP
+after the sum of the neighbours)."""
 
-    def __init__(self, in_dim: int, hidden: int, out_dim: int, layers: int, dropout: float = 0.0):
-        from torch_geometric.nn import SAGEConv
 
+def _conv(kind: str, a: int, b: int, last: bool, heads: int) -> nn.Module:
+    from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
+
+    if kind == "sage":
+        return SAGEConv(a, b)
+    if kind == "gcn":
+        return GCNConv(a, b)
+    if kind == "gat":
+        return GATConv(a, b, heads=1) if last else GATConv(a, b // heads, heads=heads)
+    if kind == "gin":
+        return GINConv(nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, b)))
+    raise ValueError(f"model {kind!r} is not one of {', '.join(MODELS)}")
+
+
+class GNN(nn.Module):
+    """``layers`` message-passing layers of one kind (:data:`MODELS`), ReLU and dropout
+    between them."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, layers: int, dropout: float = 0.0, kind: str = "sage", heads: int = 4):
         super().__init__()
+        if kind == "gat" and hidden % heads:
+            raise ValueError(f"hidden={hidden} must be a multiple of heads={heads} for model=gat (each head gets hidden / heads)")
         dims = [in_dim] + [hidden] * (layers - 1) + [out_dim]
-        self.convs = nn.ModuleList(SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.convs = nn.ModuleList(_conv(kind, a, b, i == layers - 1, heads) for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])))
         self.dropout = dropout
+        # GCN's normalisation needs the degrees of source and target in one graph, so
+        # PyG's GCNConv has no (sources, targets) form: it runs over every node of a batch.
+        self.bipartite = kind != "gcn"
 
     def forward(self, x: torch.Tensor, edge_index, hops: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
         """Outputs of every node of ``x``; or, given ``hops`` = (nodes added per hop, seeds
         first; edges per hop) of a sampled batch laid out hop by hop, of its seeds only."""
-        if hops is not None:
+        if hops is not None and self.bipartite:
             return self._forward_hops(x, edge_index, *hops)
         for i, conv in enumerate(self.convs):
             x = conv(x, edge_index)
             if i < len(self.convs) - 1:
                 x = F.dropout(F.relu(x), p=self.dropout, training=self.training)
-        return x
+        return x if hops is None else x[: int(hops[0][0])]
+
 
     def _forward_hops(self, x: torch.Tensor, edge_index: torch.Tensor, nodes: Sequence[int], edges: Sequence[int]) -> torch.Tensor:
         # Layer i only needs outputs for the nodes within L-1-i hops of the seeds, and only
@@ -109,9 +135,9 @@ class GNNTrainerConfig:
     num_classes: int
     """Output classes."""
     hidden: int = 128
-    """Hidden width of every SAGEConv layer."""
+    """Hidden width of every layer."""
     layers: int = 2
-    """SAGEConv layers (one per fan-out)."""
+    """Message-passing layers (one per fan-out)."""
     dropout: float = 0.2
     """Dropout between layers while training."""
     lr: float = 3e-3
@@ -120,17 +146,21 @@ class GNNTrainerConfig:
     """Adam weight decay."""
     seed: int = 0
     """Seed of the initial weights and the dropout masks."""
+    model: str = "sage"
+    """The layer: one of :data:`MODELS`."""
+    heads: int = 4
+    """Attention heads of each hidden layer (model=gat)."""
 
 
 class GNNTrainer:
-    """Ray actor: GraphSAGE + Adam on sampled batches; evaluation on the full graph."""
+    """Ray actor: the GNN + Adam on sampled batches; evaluation on the full graph."""
 
     def __init__(self, config: GNNTrainerConfig, graph: SharedGraph):
         self.config = config
         self.graph = graph
         torch.manual_seed(config.seed)
         self.device = device()
-        self.model = SAGE(config.in_dim, config.hidden, config.num_classes, config.layers, config.dropout).to(self.device)
+        self.model = GNN(config.in_dim, config.hidden, config.num_classes, config.layers, config.dropout, config.model, config.heads).to(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self._adj = None
         self.batches = 0

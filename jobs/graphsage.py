@@ -1,4 +1,4 @@
-"""``raylane run graphsage``: GraphSAGE trained on mini-batches made by sampler actors.
+"""``raylane run graphsage``: a GNN (GraphSAGE by default; GCN, GAT or GIN) trained on mini-batches made by sampler actors.
 
 The graph (generated, or read from a folder of arrays, its edges made two-way unless
 ``graph.undirected=false``; what was changed is printed and logged as ``graph_input``) is
@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import ray
@@ -80,18 +80,26 @@ class GraphSource:
 
 @dataclass
 class GraphSAGEConfig:
-    """Mini-batch GraphSAGE with sampler actors (stateless, spot) and one trainer (stateful, on-demand, a GPU where present)."""
+    """Mini-batch GNN training (GraphSAGE by default) with sampler actors (stateless, spot) and one trainer (stateful, on-demand, a GPU where present)."""
 
     graph: GraphSource = field(default_factory=GraphSource)
     """The graph."""
     fanouts: list[int] = cfg.field(default_factory=lambda: [10, 5])
-    """Neighbours sampled per node for each layer, hop 1 first; one entry per SAGEConv layer."""
+    """Neighbours sampled per node for each layer, hop 1 first; one entry per layer."""
     batch_size: int = cfg.field(256, ge=1)
     """Seed (training) nodes per batch."""
+    model: Literal["sage", "gcn", "gat", "gin"] = "sage"
+    """The layer, from PyG: ``sage`` (SAGEConv, mean), ``gcn`` (GCNConv), ``gat`` (GATConv,
+    ``heads`` heads concatenated in the hidden layers) or ``gin`` (GINConv over a two-layer
+    MLP). sage, gat and gin run each layer only on the nodes the next one reads; GCNConv has
+    no such form, so gcn runs every layer over all of a batch's nodes (slower per batch).
+    gin sums its neighbours, so its activations grow with the degree: start with lr=1e-3."""
     hidden: int = cfg.field(128, ge=1)
     """Hidden width."""
+    heads: int = cfg.field(4, ge=1)
+    """Attention heads per hidden layer for model=gat (hidden must be a multiple of it)."""
     layers: int | None = cfg.field(None, ge=1)
-    """SAGEConv layers; must equal len(fanouts) (null: take it from fanouts)."""
+    """Message-passing layers; must equal len(fanouts) (null: take it from fanouts)."""
     dropout: float = cfg.field(0.2, ge=0, lt=1)
     """Dropout between layers."""
     lr: float = cfg.field(3e-3, gt=0)
@@ -127,6 +135,11 @@ class GraphSAGEConfig:
             raise ValueError(f"layers={self.layers} but fanouts {list(self.fanouts)} has {len(self.fanouts)} entries: give one fan-out per layer")
         if self.samplers > self.max_samplers:
             raise ValueError(f"samplers ({self.samplers}) must not exceed max_samplers ({self.max_samplers})")
+        if self.model == "gat" and self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not a multiple of heads={self.heads}: model=gat gives each head hidden / heads "
+                             f"units (e.g. hidden={self.hidden // self.heads * self.heads or self.heads})")
+        if self.model != "gat" and self.heads != 4:
+            raise ValueError(f"heads={self.heads} is for model=gat; model={self.model} has no attention heads (drop heads)")
 
 
 def describe_input(report: dict) -> list[str]:
@@ -143,7 +156,7 @@ def describe_input(report: dict) -> list[str]:
         lines.append(f"graph.undirected=true: {r['given']} edges given; added {r['reverses_added']} reverse edges (edges listed one way), "
                      f"dropped {found}: {r['used']} edges used (each pair both ways)")
     if r["isolated"]:
-        lines.append(f"warning: {r['isolated']} nodes have no edges ({r['isolated_train']} of them training seeds): GraphSAGE sees only their own features")
+        lines.append(f"warning: {r['isolated']} nodes have no edges ({r['isolated_train']} of them training seeds): the model sees only their own features")
     if r["no_in_edges"] > r["isolated"]:
         lines.append(f"warning: {r['no_in_edges']} nodes have no in-edges ({r['no_in_edges_train']} of them training seeds): no neighbour's features reach them")
     for other in ("val", "test"):
@@ -192,7 +205,7 @@ class GraphSAGEWorkload(BaseWorkload):
     def _trainer_config(self) -> GNNTrainerConfig:
         c, g = self.config, self.graph
         return GNNTrainerConfig(in_dim=int(g.x.shape[1]), num_classes=g.num_classes, hidden=c.hidden, layers=len(c.fanouts),
-                             dropout=c.dropout, lr=c.lr, weight_decay=c.weight_decay, seed=c.seed)
+                             dropout=c.dropout, lr=c.lr, weight_decay=c.weight_decay, seed=c.seed, model=c.model, heads=c.heads)
 
     def _sampler_args(self, key: int) -> tuple[tuple, dict]:
         c = self.config

@@ -76,6 +76,22 @@ def test_a_sampler_killed_mid_epoch_is_replaced_and_the_epoch_completes(referenc
     assert abs(final["test_acc"] - reference["test_acc"]) <= 0.01, (final, reference)
 
 
+@pytest.mark.parametrize("model", ["gcn", "gat", "gin"])
+def test_each_gnn_layer_trains_through_a_sampler_kill_and_sees_every_seed_once(reference, tmp_path, model):
+    """The other PyG layers ride the same samplers and recovery: a sampler killed
+    mid-epoch costs no seed and no rollback, and the model clears the accuracy bar."""
+    workload, driver = make(tmp_path, model, f"model={model}", *(["lr=1e-3"] if model == "gin" else []))
+
+    def kill_a_sampler():
+        os.kill(workload.samplers.call_all("info", timeout_s=30)[0]["pid"], signal.SIGKILL)
+
+    summary = drive(workload, driver, at={4: kill_a_sampler}).summary
+    assert summary["state"] == "finished" and summary["failures_recovered"] == 0, summary
+    cov = coverage(tmp_path, model)
+    assert len(cov) == 4 and all(c["min_visits"] == c["max_visits"] == 1 for c in cov)
+    assert summary["final_metrics"]["test_acc"] >= THRESHOLD, summary["final_metrics"]
+
+
 @pytest.mark.parametrize("when", ["in_a_step", "between_steps"])
 def test_a_killed_trainer_resumes_from_the_last_checkpoint(reference, tmp_path, when):
     """Killed while a step runs, or idle between two steps (no call of it in flight):

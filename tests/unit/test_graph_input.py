@@ -134,7 +134,7 @@ def test_isolated_nodes_and_mask_overlaps_are_reported_with_their_training_seeds
     lines = describe_input(r)
     assert lines[0] == ("graph.undirected=true: 4 edges given; added 3 reverse edges (edges listed one way), "
                         "dropped 0 duplicate edges and 1 self-loops: 6 edges used (each pair both ways)")
-    assert lines[1:] == ["warning: 6 nodes have no edges (1 of them training seeds): GraphSAGE sees only their own features",
+    assert lines[1:] == ["warning: 6 nodes have no edges (1 of them training seeds): the model sees only their own features",
                          "warning: 1 nodes are in both train_mask and test_mask: test accuracy is measured partly on training nodes"]
     directed = to_shared(make_data(**arrays(edge_index=ei)), 1, undirected=False).report
     assert (directed["isolated"], directed["no_in_edges"], directed["no_in_edges_train"]) == (6, 7, 2)  # node 0 has no in-edge
