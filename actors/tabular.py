@@ -68,6 +68,16 @@ class TableSpec:
     """Seed of generated rows (synthetic sources)."""
     files: tuple[FilePart, ...] = ()
     """The files of a file source, in global row order."""
+    categories: tuple[tuple[str, tuple], ...] = ()
+    """(column, its category values in code order) for each categorical feature; a value's
+    code is its index, and a value not listed (or a null) reads as missing."""
+
+    @property
+    def feature_types(self) -> list[str] | None:
+        """xgboost's types per feature column: ``c`` categorical, ``q`` quantitative; None
+        when every column is quantitative."""
+        cats = {c for c, _ in self.categories}
+        return [("c" if f in cats else "q") for f in self.features] if cats else None
 
 
 @dataclass(frozen=True)
@@ -150,103 +160,6 @@ def _sklearn(name: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     return np.ascontiguousarray(bunch.data, dtype=np.float32), np.asarray(bunch.target, dtype=np.float32), names
 
 
-# ---------------------------------------------------------------- files
-
-
-def filesystem(uri: str):
-    """(pyarrow filesystem, path) for a local path or any URI pyarrow knows (s3://, gs://, file://)."""
-    import os
-
-    import pyarrow.fs as pafs
-
-    if "://" in uri:
-        try:
-            return pafs.FileSystem.from_uri(uri)
-        except Exception as exc:  # pyarrow raises several types for bad or unreachable URIs
-            raise SourceError(f"data.source: cannot open {uri!r}: {exc}") from exc
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
-
-
-def _list_files(uri: str, fmt: str) -> tuple[str, list[str]]:
-    """The format and the sorted data files of a file or folder."""
-    import os
-
-    import pyarrow.fs as pafs
-
-    fs, path = filesystem(uri)
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise SourceError(
-            f"data.source: no such file or folder: {uri!r}. Give a Parquet or CSV file or folder, "
-            f"'sklearn:<{'|'.join(SKLEARN_DATASETS)}>' or 'synthetic:<{'|'.join(SYNTHETIC_TASKS)}>'"
-        )
-    if info.type == pafs.FileType.File:
-        paths = [path]
-    else:
-        entries = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-        # Skip marker and hidden files that writers leave beside the data (_SUCCESS, .crc).
-        paths = sorted(e.path for e in entries if e.type == pafs.FileType.File and not os.path.basename(e.path).startswith(("_", ".")))
-    by_ext = {p: _EXTENSIONS.get(os.path.splitext(p)[1].lower()) for p in paths}
-    if fmt == "auto":
-        found = sorted({f for f in by_ext.values() if f})
-        if len(found) != 1:
-            what = "both Parquet and CSV files" if found else "no .parquet, .pq or .csv files"
-            raise SourceError(f"data.source {uri!r} holds {what}; set data.format to one of {', '.join(FORMATS)}")
-        fmt = found[0]
-    if info.type == pafs.FileType.File:
-        files = paths
-    else:
-        files = [p for p, f in by_ext.items() if f == fmt] or [p for p, f in by_ext.items() if f is None]
-    if not files:
-        raise SourceError(f"data.source: folder {uri!r} holds no {fmt} files")
-    return fmt, files
-
-
-def _schema_and_parts(uri: str, fmt: str, files: list[str]):
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
-
-    fs, _ = filesystem(uri)
-    schema, parts = None, []
-    for path in files:
-        try:
-            if fmt == "parquet":
-                with fs.open_input_file(path) as f:
-                    meta = pq.ParquetFile(f).metadata
-                file_schema = meta.schema.to_arrow_schema()
-                groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-                parts.append(FilePart(path, meta.num_rows, groups))
-            else:
-                with fs.open_input_stream(path) as f:
-                    file_schema = pacsv.open_csv(f).schema
-                parts.append(FilePart(path, -1))  # counted while the labels are read
-        except (OSError, ValueError) as exc:  # pyarrow.ArrowInvalid is a ValueError
-            raise SourceError(f"data.source: cannot read {path!r} as {fmt}: {exc}") from exc
-        if schema is None:
-            schema = file_schema
-        elif file_schema.names != schema.names:
-            raise SourceError(f"data.source: {path!r} has columns {file_schema.names}, but {files[0]!r} has {schema.names}; all files must have the same columns")
-    return schema, parts
-
-
-def _read_file_columns(fs, part: FilePart, fmt: str, columns: Sequence[str], types: dict | None = None):
-    """One whole file's ``columns`` as a pyarrow Table."""
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
-
-    if fmt == "parquet":
-        with fs.open_input_file(part.path) as f:
-            return pq.ParquetFile(f).read(columns=list(columns))
-    with fs.open_input_stream(part.path) as f:
-        return pacsv.read_csv(f, convert_options=pacsv.ConvertOptions(include_columns=list(columns), column_types=types or {}))
-
-
-def _is_numeric(arrow_type) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type) or pa.types.is_decimal(arrow_type)
-
-
 # ---------------------------------------------------------------- the driver's peek
 
 
@@ -271,15 +184,22 @@ def default_label(kind: str) -> str:
     return {"synthetic": "label", "sklearn": "target"}.get(kind, "")
 
 
-def describe(source: str, *, label: str = "", features: Sequence[str] = (), fmt: str = "auto", rows: int = 0, num_features: int = 0, seed: int = 0) -> tuple[TableSpec, LabelSummary]:
+def describe(source: str, *, label: str = "", features: Sequence[str] = (), fmt: str = "auto", rows: int = 0, num_features: int = 0, seed: int = 0,
+             drop: Sequence[str] = (), categorical: Sequence[str] = ()) -> tuple[TableSpec, LabelSummary]:
     """Peek at a source on the driver: its columns, row count and labels, checked.
 
-    Reads file listings, Parquet footers and the label column only; never the features.
-    Raises :class:`SourceError` for a missing file, a missing label column, non-numeric
-    feature columns, or null / NaN / infinite labels.
+    Reads file listings, Parquet footers, the label column and the categorical columns
+    only; never the numeric features. ``drop`` leaves columns out; string columns of a file
+    source are categorical features, and so are the numeric ones named in ``categorical``.
+    Raises :class:`SourceError` for a missing file, a missing label column, a column that
+    is neither numeric nor categorical, or null / NaN / infinite labels.
     """
     kind, name = parse_source(source)
     label = label or default_label(kind)
+    if categorical and kind != "file":
+        raise SourceError(f"data.categorical applies to file sources; {source!r} has numeric features only")
+    if drop and kind == "synthetic":
+        raise SourceError("data.drop cannot remove columns of synthetic data; set data.num_features instead")
     if kind == "synthetic":
         if rows < 1 or num_features < 1:
             raise SourceError(f"data.rows and data.num_features must be >= 1 for synthetic data, got {rows} and {num_features}")
@@ -295,41 +215,25 @@ def describe(source: str, *, label: str = "", features: Sequence[str] = (), fmt:
         x, y, names = _sklearn(name)
         if label != "target":
             raise SourceError(f"data.label: scikit-learn dataset {name!r} has one label column, 'target'; got {label!r}")
-        chosen = _check_feature_names(features, names, label)
+        chosen = check_feature_names(features, names, label, drop)
         return TableSpec("sklearn", name, len(y), chosen, label), _summarize(y, source, label)
     if not label:
         raise SourceError(f"data.label is required for a file source ({source!r}); set it to the label column's name")
-    fmt, files = _list_files(name, fmt)
-    schema, parts = _schema_and_parts(name, fmt, files)
-    if label not in schema.names:
-        raise SourceError(f"data.label: no column {label!r} in {source!r}; its columns are: {', '.join(schema.names)}")
-    chosen = _check_feature_names(features, tuple(schema.names), label)
-    bad = [f"{c} ({schema.field(c).type})" for c in chosen if not _is_numeric(schema.field(c).type)]
-    if bad:
-        raise SourceError(
-            f"data.features: non-numeric feature columns in {source!r}: {', '.join(bad)}. Encode them as numbers, "
-            f"or list only numeric columns in data.features"
-        )
-    if not _is_numeric(schema.field(label).type):
-        raise SourceError(f"data.label: column {label!r} in {source!r} is {schema.field(label).type}; labels must be numbers (encode classes as 0..k-1)")
-    import pyarrow as pa
+    from raylane.actors import tabular_files
 
-    fs, _ = filesystem(name)
-    labels, counted = [], []
-    for part in parts:
-        try:
-            table = _read_file_columns(fs, part, fmt, [label], {label: pa.float64()})
-        except (OSError, ValueError) as exc:
-            raise SourceError(f"data.label: cannot read column {label!r} of {part.path!r}: {exc}") from exc
-        labels.append(_label_array(table.column(label), source, label, offset=sum(p.rows for p in counted)))
-        counted.append(FilePart(part.path, table.num_rows, part.row_groups))
-    y = np.concatenate(labels) if labels else np.zeros(0)
-    return TableSpec(fmt, name, len(y), chosen, label, files=tuple(counted)), _summarize(y, source, label)
+    spec, y = tabular_files.describe_files(source, name, label, features, fmt, drop=drop, categorical=categorical)
+    return spec, _summarize(y, source, label)
 
 
-def _check_feature_names(features: Sequence[str], columns: Sequence[str], label: str) -> tuple[str, ...]:
+def check_feature_names(features: Sequence[str], columns: Sequence[str], label: str, drop: Sequence[str] = ()) -> tuple[str, ...]:
+    """The feature columns: ``features`` (every column but the label when empty) less ``drop``."""
+    unknown_drop = [c for c in drop if c not in columns]
+    if unknown_drop:
+        raise SourceError(f"data.drop: unknown columns {unknown_drop}; the columns are: {', '.join(columns)}")
+    if label in drop:
+        raise SourceError(f"data.drop lists the label column {label!r}; to predict another column set data.label")
     if not features:
-        return tuple(c for c in columns if c != label)
+        return tuple(c for c in columns if c != label and c not in drop)
     unknown = [f for f in features if f not in columns]
     if unknown:
         raise SourceError(f"data.features: unknown columns {unknown}; the columns are: {', '.join(columns)}")
@@ -337,10 +241,13 @@ def _check_feature_names(features: Sequence[str], columns: Sequence[str], label:
         raise SourceError(f"data.features lists the label column {label!r}; leave it out")
     if len(set(features)) != len(features):
         raise SourceError(f"data.features lists a column twice: {list(features)}")
+    both = [f for f in features if f in drop]
+    if both:
+        raise SourceError(f"data.features and data.drop both list {both}; give the columns to use, or the ones to leave out")
     return tuple(features)
 
 
-def _label_array(column, source: str, label: str, offset: int = 0) -> np.ndarray:
+def label_array(column, source: str, label: str, offset: int = 0) -> np.ndarray:
     if column.null_count:
         first = int(np.flatnonzero(np.asarray(column.is_null()))[0]) + offset
         raise SourceError(f"data.label: column {label!r} in {source!r} has {column.null_count} empty labels (first at row {first}); drop or fill those rows")
@@ -375,57 +282,9 @@ def read_rows(spec: TableSpec, start: int, stop: int) -> tuple[np.ndarray, np.nd
         x, y, names = _sklearn(spec.name)
         cols = [names.index(f) for f in spec.features]
         return np.ascontiguousarray(x[start:stop][:, cols]), y[start:stop].copy()
-    return _read_file_rows(spec, start, stop)
+    from raylane.actors import tabular_files
 
-
-def _read_file_rows(spec: TableSpec, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
-
-    fs, _ = filesystem(spec.name)
-    columns = list(spec.features) + [spec.label]
-    x = np.empty((stop - start, len(spec.features)), dtype=np.float32)
-    y = np.empty(stop - start, dtype=np.float32)
-    filled = 0
-    file_start = 0
-    for part in spec.files:
-        lo, hi = max(start, file_start), min(stop, file_start + part.rows)
-        if lo < hi:
-            tables = []
-            if spec.kind == "parquet":
-                # Only the row groups that overlap [lo, hi).
-                bounds = np.cumsum((0,) + part.row_groups) + file_start
-                groups = [g for g in range(len(part.row_groups)) if bounds[g] < hi and bounds[g + 1] > lo]
-                with fs.open_input_file(part.path) as f:
-                    table = pq.ParquetFile(f).read_row_groups(groups, columns=columns)
-                tables.append(table.slice(lo - int(bounds[groups[0]]), hi - lo))
-            else:
-                types = {c: pa.float64() for c in columns}  # a stray string in a column fails here, naming it
-                opts = pacsv.ConvertOptions(include_columns=columns, column_types=types)
-                with fs.open_input_stream(part.path) as f:
-                    reader, at = pacsv.open_csv(f, convert_options=opts), file_start
-                    for batch in reader:
-                        b_lo, b_hi = max(lo, at), min(hi, at + batch.num_rows)
-                        if b_lo < b_hi:
-                            tables.append(pa.Table.from_batches([batch.slice(b_lo - at, b_hi - b_lo)]))
-                        at += batch.num_rows
-                        if at >= hi:
-                            break
-            for table in tables:
-                n = table.num_rows
-                for j, name in enumerate(spec.features):
-                    x[filled : filled + n, j] = table.column(name).cast(pa.float32()).to_numpy()
-                y[filled : filled + n] = _label_array(table.column(spec.label), spec.name, spec.label, offset=file_start)
-                filled += n
-        file_start += part.rows
-        if file_start >= stop:
-            break
-    if filled != stop - start:
-        raise SourceError(f"data.source {spec.name!r}: read {filled} rows for [{start}, {stop}); the files changed since the job started")
-    if not np.isfinite(y).all():
-        raise SourceError(f"data.label: NaN or infinite labels in rows [{start}, {stop}) of {spec.name!r}")
-    return x, y
+    return tabular_files.read_file_rows(spec, start, stop)
 
 
 def eval_mask(seed: int, start: int, stop: int, fraction: float) -> np.ndarray:

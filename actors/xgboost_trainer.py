@@ -107,13 +107,17 @@ class XGBoostTrainer:
         names = list(self.config.table.features)
         if any(c in name for name in names for c in "[]<,"):  # characters xgboost refuses in names
             names = None
+        types = self.config.table.feature_types
+        kw: dict[str, Any] = {"nthread": n, "feature_names": names}
+        if types is not None:  # category codes, the same on every trainer (the driver's list)
+            kw.update(feature_types=types, enable_categorical=True)
         if self.config.quantile:
             # Inside the collective: the quantile sketch is merged across all trainers here.
-            dtrain = xgb.QuantileDMatrix(x, y, nthread=n, feature_names=names, max_bin=self.config.max_bin)
-            make_eval = lambda xe, ye: xgb.QuantileDMatrix(xe, ye, ref=dtrain, nthread=n, feature_names=names, max_bin=self.config.max_bin)  # noqa: E731 - the training cuts
+            dtrain = xgb.QuantileDMatrix(x, y, max_bin=self.config.max_bin, **kw)
+            make_eval = lambda xe, ye: xgb.QuantileDMatrix(xe, ye, ref=dtrain, max_bin=self.config.max_bin, **kw)  # noqa: E731 - the training cuts
         else:
-            dtrain = xgb.DMatrix(x, y, nthread=n, feature_names=names)
-            make_eval = lambda xe, ye: xgb.DMatrix(xe, ye, nthread=n, feature_names=names)  # noqa: E731
+            dtrain = xgb.DMatrix(x, y, **kw)
+            make_eval = lambda xe, ye: xgb.DMatrix(xe, ye, **kw)  # noqa: E731
         self._matrices = {"dtrain": dtrain}
         if "train" in evals:
             self._matrices["train"] = dtrain

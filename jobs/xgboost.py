@@ -64,7 +64,13 @@ class DataConfig:
     label: str = ""
     """Label column. Empty: 'target' for sklearn datasets, 'label' for synthetic data; required for files."""
     features: list[str] = cfg.field([])
-    """Feature columns (numeric). Empty: every column but the label."""
+    """Feature columns. Empty: every column but the label (and those in drop)."""
+    drop: list[str] = cfg.field([])
+    """Columns to leave out (ids, free text, timestamps), when features is empty."""
+    categorical: list[str] = cfg.field([])
+    """Numeric feature columns to treat as categories (codes, zip codes). String columns of a
+    file source are categorical already: xgboost splits on sets of their values
+    (enable_categorical), the categories read over the whole source before training."""
     format: str = cfg.field("auto", choices=("auto", "parquet", "csv"))
     """File format; auto reads it from the extension (.parquet, .pq, .csv)."""
     rows: int = cfg.field(100_000, ge=1)
@@ -157,7 +163,8 @@ def prepare(c: XGBoostJobConfig) -> Prepared:
         return _PREPARED[key]
     params = static_params(c.params)  # names and objective, before the data is read
     d = c.data
-    table, labels = tabular.describe(d.source, label=d.label, features=d.features, fmt=d.format, rows=d.rows, num_features=d.num_features, seed=d.seed)
+    table, labels = tabular.describe(d.source, label=d.label, features=d.features, fmt=d.format, rows=d.rows, num_features=d.num_features, seed=d.seed,
+                                     drop=d.drop, categorical=d.categorical)
     if table.rows < c.trainers:
         raise cfg.ConfigError(f"trainers: {c.trainers} trainers need at least as many rows, but {d.source!r} has {table.rows}; lower trainers")
     if d.eval_fraction > 0:
@@ -237,6 +244,11 @@ class XGBoostWorkload(BaseWorkload):
         # The objective may have been chosen from the labels: say which, and why, first.
         ctx.log.event("xgboost_objective", **self.prep.objective.event(self.prep.metrics))
         print(self.prep.objective.line(self.prep.metrics), flush=True)
+        if self.prep.table.categories:
+            counts = {col: len(values) for col, values in self.prep.table.categories}
+            ctx.log.event("xgboost_categorical", columns=counts)
+            print("categorical features: " + ", ".join(f"{col} ({n} categories)" for col, n in counts.items())
+                  + "; a value not seen while reading the source counts as missing", flush=True)
         trainer = XGBoostTrainerConfig(self.prep.table, d.eval_fraction, d.seed, c.threads, self.prep.quantile, int(self.prep.params.get("max_bin", 256)))
         self.gang = Gang(self.roles()[0], XGBoostTrainer, actor_args=lambda key: ((trainer,), {}), size=c.trainers, start_timeout_s=c.load_timeout_s,
                          on_join=self._join, broken=lambda exc: is_collective_error(str(exc)), brief=lambda exc: first_line(str(exc)), rank_order=lambda node: -self._speed(node), rank_name="shard", actor_word="trainer")

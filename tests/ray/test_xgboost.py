@@ -112,6 +112,32 @@ def test_iris_without_an_objective_trains_multiclass_and_says_so(ray_local, tmp_
     assert float(np.mean(p.argmax(axis=1) != y)) == pytest.approx(final["eval-merror"], abs=1e-6)
 
 
+def test_string_columns_train_as_categories_across_trainers_and_say_so(ray_local, tmp_path, capsys):
+    """Two trainers, two files: 'madrid' is only in the second trainer's rows, yet both code
+    the cities with the driver's one list, so the collective's trees split on the same sets."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cities = ["paris", "oslo", "berlin", "lyon", "madrid"]
+    folder = tmp_path / "clicks"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i, (n, known) in enumerate(((3000, cities[:4]), (3000, cities))):
+        city = [known[k] for k in rng.integers(0, len(known), n)]
+        pq.write_table(pa.table({"city": city, "noise": rng.normal(size=n), "id": [f"u{i}-{j}" for j in range(n)],
+                                 "y": [int(c in ("berlin", "madrid", "paris")) for c in city]}), folder / f"part-{i}.parquet")
+    wait_cpus_free()
+    conf = make(tmp_path, "cats", data={"source": str(folder), "label": "y", "drop": ["id"]}, num_boost_round=10, trainers=2)
+    summary = Driver(XGBoostWorkload(conf), conf.driver).run()
+    assert summary["state"] == "finished"
+    assert "categorical features: city (5 categories)" in capsys.readouterr().out
+    said = [e for e in read_jsonl(tmp_path / "cats" / "events.jsonl") if e["event"] == "xgboost_categorical"]
+    assert len(said) == 1 and said[0]["columns"] == {"city": 5}
+    assert summary["final_metrics"]["eval-auc"] == 1.0 and summary["final_metrics"]["eval-logloss"] < 0.1
+    booster = xgb.Booster(model_file=str(tmp_path / "cats" / "model.ubj"))
+    assert booster.feature_names == ["city", "noise"] and booster.feature_types == ["c", "q"]
+
+
 def test_one_trainer_equals_plain_xgboost_and_two_trainers_are_close(ray_local, tmp_path):
     data = {"source": "synthetic:regression", "rows": 20_000, "num_features": 8, "seed": 1}
     finals = {}

@@ -134,11 +134,12 @@ def test_missing_label_column_lists_the_columns(parquet_dir):
     assert "no column 'target'" in msg and "a, b, flag, y" in msg
 
 
-def test_non_numeric_feature_columns_are_named(tmp_path):
-    t = table(20).append_column("city", pa.array(["x"] * 20))
+def test_feature_columns_that_are_neither_numeric_nor_categorical_are_named(tmp_path):
+    t = table(20).append_column("seen", pa.array(np.arange(20).astype("datetime64[s]")))
     pq.write_table(t, tmp_path / "t.parquet")
     msg = refused(**{"data.source": str(tmp_path / "t.parquet"), "data.label": "y"})
-    assert "non-numeric feature columns" in msg and "city (string)" in msg and "data.features" in msg
+    assert "neither numeric nor categorical" in msg and "seen (timestamp[ms])" in msg and "data.drop=[...]" in msg
+    assert load(**{"data.source": str(tmp_path / "t.parquet"), "data.label": "y", "data.drop": '["seen"]'}).data.drop == ["seen"]
 
 
 @pytest.mark.parametrize("bad, what", [(math.nan, "NaN or infinite"), (math.inf, "NaN or infinite"), (None, "empty labels")])
