@@ -42,6 +42,8 @@ class WorkerConfig:
     """Seed of the batch order."""
     timeout_s: float = 120.0
     """Longest one pull or push may take."""
+    table: Any = None
+    """The user's click table (a :class:`raylane.actors.ctr_files.CTRTable`); None: generated data."""
 
 
 class WorkerCore:
@@ -50,7 +52,12 @@ class WorkerCore:
     def __init__(self, config: WorkerConfig):
         torch.set_num_threads(1)
         self.config = config
-        self.ids, self.numeric, self.labels = ctr.rows(config.shape, config.data_seed, *config.rows)
+        if config.table is None:
+            self.ids, self.numeric, self.labels = ctr.rows(config.shape, config.data_seed, *config.rows)
+        else:  # only this worker's rows of the user's table
+            from raylane.actors.ctr_files import read_ctr_rows
+
+            self.ids, self.numeric, self.labels = read_ctr_rows(config.table, config.shape.buckets, *config.rows)
         self.shapes = ctr.dense_shapes(config.shape)
         self.slices = dense_slices({n: int(np.prod(s)) for n, s in self.shapes.items()}, config.shards)
 

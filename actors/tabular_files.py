@@ -186,57 +186,64 @@ def _coder(values: tuple):
     return kind, pa.array(values, type=kind)
 
 
-def read_file_rows(spec: TableSpec, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows ``[start, stop)`` of a file source (see :func:`raylane.actors.tabular.read_rows`)."""
+def range_tables(spec: TableSpec, columns: Sequence[str], types: dict, start: int, stop: int):
+    """Yield ``(table, file_start)``: pyarrow tables of ``columns`` holding rows
+    ``[start, stop)`` of a file source in order, and the global index of their file's first
+    row. Parquet reads only the row groups that overlap; CSV skips the files before and stops
+    after the last row (``types``: CSV column types; an empty field reads as missing)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
     fs, _ = filesystem(spec.name)
-    columns = list(spec.features) + [spec.label]
-    coders = {c: _coder(values) for c, values in spec.categories}
-    x = np.empty((stop - start, len(spec.features)), dtype=np.float32)
-    y = np.empty(stop - start, dtype=np.float32)
-    filled = 0
     file_start = 0
     for part in spec.files:
         lo, hi = max(start, file_start), min(stop, file_start + part.rows)
         if lo < hi:
-            tables = []
             if spec.kind == "parquet":
-                # Only the row groups that overlap [lo, hi).
                 bounds = np.cumsum((0,) + part.row_groups) + file_start
                 groups = [g for g in range(len(part.row_groups)) if bounds[g] < hi and bounds[g + 1] > lo]
                 with fs.open_input_file(part.path) as f:
-                    table = pq.ParquetFile(f).read_row_groups(groups, columns=columns)
-                tables.append(table.slice(lo - int(bounds[groups[0]]), hi - lo))
+                    table = pq.ParquetFile(f).read_row_groups(groups, columns=list(columns))
+                yield table.slice(lo - int(bounds[groups[0]]), hi - lo), file_start
             else:
-                # a stray string in a numeric column fails here, naming it
-                types = {c: coders[c][0] if c in coders else pa.float64() for c in columns}
-                opts = pacsv.ConvertOptions(include_columns=columns, column_types=types, strings_can_be_null=True)  # an empty field is missing
+                opts = pacsv.ConvertOptions(include_columns=list(columns), column_types=types, strings_can_be_null=True)
                 with fs.open_input_stream(part.path) as f:
                     reader, at = pacsv.open_csv(f, convert_options=opts), file_start
                     for batch in reader:
                         b_lo, b_hi = max(lo, at), min(hi, at + batch.num_rows)
                         if b_lo < b_hi:
-                            tables.append(pa.Table.from_batches([batch.slice(b_lo - at, b_hi - b_lo)]))
+                            yield pa.Table.from_batches([batch.slice(b_lo - at, b_hi - b_lo)]), file_start
                         at += batch.num_rows
                         if at >= hi:
                             break
-            for table in tables:
-                n = table.num_rows
-                for j, name in enumerate(spec.features):
-                    column = table.column(name)
-                    if name in coders:  # the category's index in the driver's list; unknown or null: missing
-                        kind, value_set = coders[name]
-                        column = pc.index_in(_values(column).cast(kind), value_set=value_set)
-                    x[filled : filled + n, j] = column.cast(pa.float32()).to_numpy()
-                y[filled : filled + n] = label_array(table.column(spec.label), spec.name, spec.label, offset=file_start)
-                filled += n
         file_start += part.rows
         if file_start >= stop:
             break
+
+
+def read_file_rows(spec: TableSpec, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[start, stop)`` of a file source (see :func:`raylane.actors.tabular.read_rows`)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    columns = list(spec.features) + [spec.label]
+    coders = {c: _coder(values) for c, values in spec.categories}
+    # a stray string in a numeric CSV column fails here, naming it
+    types = {c: coders[c][0] if c in coders else pa.float64() for c in columns}
+    x = np.empty((stop - start, len(spec.features)), dtype=np.float32)
+    y = np.empty(stop - start, dtype=np.float32)
+    filled = 0
+    for table, file_start in range_tables(spec, columns, types, start, stop):
+        n = table.num_rows
+        for j, name in enumerate(spec.features):
+            column = table.column(name)
+            if name in coders:  # the category's index in the driver's list; unknown or null: missing
+                kind, value_set = coders[name]
+                column = pc.index_in(_values(column).cast(kind), value_set=value_set)
+            x[filled : filled + n, j] = column.cast(pa.float32()).to_numpy()
+        y[filled : filled + n] = label_array(table.column(spec.label), spec.name, spec.label, offset=file_start)
+        filled += n
     if filled != stop - start:
         raise SourceError(f"data.source {spec.name!r}: read {filled} rows for [{start}, {stop}); the files changed since the job started")
     if not np.isfinite(y).all():

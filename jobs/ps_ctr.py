@@ -32,7 +32,7 @@ import ray
 import torch
 
 from raylane import config as cfg
-from raylane.actors import ctr
+from raylane.actors import ctr, ctr_files
 from raylane.actors.param_shard import MAX_WORKERS, MODES, ParamShard, ShardConfig
 from raylane.actors.ps_layout import dense_slices
 from raylane.actors.ps_optim import OPTIMIZERS
@@ -51,9 +51,27 @@ T = TypeVar("T")
 
 
 @dataclass
+class CTRDataConfig:
+    """Your click table; without a path the job trains on generated clicks."""
+
+    path: str | None = None
+    """A Parquet (or CSV) file or folder, local or any pyarrow URI (s3://, gs://, hdfs://); null: generated data."""
+    label: str = "label"
+    """The 0/1 label column (clicked or not)."""
+    categorical: list[str] = cfg.field([])
+    """Columns hashed into one embedding table each (strings or integers). Empty: every string column."""
+    numeric: list[str] = cfg.field([])
+    """Numeric feature columns (a missing value reads as 0). Empty: every number not in categorical."""
+    format: str = cfg.field("auto", choices=("auto", "parquet", "csv"))
+    """File format; auto reads it from the extension (.parquet, .pq, .csv)."""
+
+
+@dataclass
 class PSCTRConfig:
     """Click-through-rate training on a sharded parameter server."""
 
+    data: CTRDataConfig = field(default_factory=CTRDataConfig)
+    """Your click table (data.path); generated clicks without one. Its last eval_rows rows are held out."""
     rows: int = cfg.field(200_000, ge=1)
     """Training rows of generated click data (split over the workers)."""
     eval_rows: int = cfg.field(20_000, ge=100)
@@ -110,8 +128,27 @@ class PSCTRConfig:
             raise ValueError(f"workers ({self.workers}) must not exceed rows ({self.rows}): every worker needs rows")
         if self.mode != "ssp" and self.staleness != PSCTRConfig.staleness:
             log.info("staleness=%s only applies to mode=ssp (mode is %s)", self.staleness, self.mode)
+        if self.data.path is not None:
+            generated_only = [k for k in ("rows", "fields", "ids_per_field", "dense_features") if getattr(self, k) != getattr(PSCTRConfig, k)]
+            if generated_only:
+                raise ValueError(f"{', '.join(generated_only)} describe generated data; with data.path the table decides "
+                                 "(its rows less eval_rows train, one field per categorical column, one feature per numeric one): drop them")
+            self.table()  # the schema and the labels, before any actor starts
 
-    def shape(self) -> ctr.CTRShape:
+    def table(self) -> ctr_files.CTRTable | None:
+        """The user's click table, checked (schema and labels), or None for generated data."""
+        d = self.data
+        if d.path is None:
+            return None
+        table = ctr_files.describe_ctr(d.path, label=d.label, categorical=d.categorical, numeric=d.numeric, fmt=d.format)
+        if table.spec.rows < self.eval_rows + self.workers:
+            raise ValueError(f"data.path {d.path!r} has {table.spec.rows} rows; eval_rows ({self.eval_rows}) are held out and each of "
+                             f"the {self.workers} workers needs at least one: lower eval_rows or give more rows")
+        return table
+
+    def shape(self, table: ctr_files.CTRTable | None = None) -> ctr.CTRShape:
+        if table is not None:
+            return ctr.CTRShape(len(table.categorical), 1, self.buckets, len(table.numeric), self.embedding_dim, self.hidden)
         return ctr.CTRShape(self.fields, self.ids_per_field, self.buckets, self.dense_features, self.embedding_dim, self.hidden)
 
 
@@ -141,11 +178,17 @@ class PSCTRWorkload(BaseWorkload):
     def __init__(self, config: PSCTRConfig):
         cfg.validate(config)
         self.config = config
-        self.shape = config.shape()
+        self.table = config.table()
+        self.shape = config.shape(self.table)
         self.shape.check()
         self.sizes = {n: int(np.prod(s)) for n, s in ctr.dense_shapes(self.shape).items()}
         self.slices = dense_slices(self.sizes, config.shards)
-        self.eval = ctr.rows(self.shape, config.seed, config.rows, config.rows + config.eval_rows)
+        if self.table is None:
+            self.train_rows = config.rows
+            self.eval = ctr.rows(self.shape, config.seed, config.rows, config.rows + config.eval_rows)
+        else:  # the table's last eval_rows rows are held out
+            self.train_rows = self.table.spec.rows - config.eval_rows
+            self.eval = ctr_files.read_ctr_rows(self.table, config.buckets, self.train_rows, self.table.spec.rows)
         self.shard_gang: Gang | None = None  # rank i holds shard i
         self.worker_gang: Gang | None = None  # rank w reads worker w's rows
         self.ctx: Context | None = None
@@ -161,12 +204,12 @@ class PSCTRWorkload(BaseWorkload):
 
     def shard_config(self, i: int) -> ShardConfig:
         c = self.config
-        tables = {ctr.table_name(f): c.embedding_dim for f in range(c.fields)}
+        tables = {ctr.table_name(f): c.embedding_dim for f in range(self.shape.fields)}
         return ShardConfig(i, c.shards, c.workers, dict(self.slices[i]), tables, c.mode, c.staleness, c.optimizer, c.lr, c.init_scale, c.seed, c.wait_timeout_s)
 
     def worker_config(self, w: int, rows: tuple[int, int]) -> WorkerConfig:
         c = self.config
-        return WorkerConfig(w, self.shape, rows, c.shards, c.batch_size, c.seed, c.seed, c.step_timeout_s)
+        return WorkerConfig(w, self.shape, rows, c.shards, c.batch_size, c.seed, c.seed, c.step_timeout_s, self.table)
 
     @property
     def shards(self) -> dict[int, Any]:
@@ -198,7 +241,7 @@ class PSCTRWorkload(BaseWorkload):
 
     def _join_worker(self, w: int, worker: Any) -> Any:
         """The worker gang's ``on_join``: worker ``w`` reads the same rows as any worker ``w`` before it."""
-        bounds = np.cumsum([0] + split_by_speed(self.config.rows, [1.0] * self.config.workers)).tolist()
+        bounds = np.cumsum([0] + split_by_speed(self.train_rows, [1.0] * self.config.workers)).tolist()
         return worker.setup.remote(self.worker_config(w, (bounds[w], bounds[w + 1])))
 
     def _ensure_actors(self, shards: bool = True, wait_s: float | None = None) -> None:
@@ -309,15 +352,26 @@ class PSCTRWorkload(BaseWorkload):
         slice and rows per worker per clock); no extra computing (the workers run the
         clocks since the checkpoint again either way); the only extra is sending each
         survivor its slice of the checkpoint, the whole model once per shard loss, which the
-        driver has already read from the store."""
+        driver has already read from the store.
+
+        A lost worker can leave the same hazard in sync mode: lost between its pushes of one
+        clock to two shards, it leaves that clock applied on some shards and not on others,
+        and the replay would compute that clock's gradient on the mixed model. So when the
+        shards' applied clocks differ after a lost worker, they all go back too."""
         c = self.config
         lost = sorted(self.fresh)
-        todo = list(range(c.shards)) if lost else []
+        split = {} if lost or c.mode != "sync" or not state.get("shards") else self._applied_clocks()
+        todo = list(range(c.shards)) if lost or len(set(split.values())) > 1 else []
         ray.get([self.shards[i].import_state.remote(state["shards"][str(i)]) for i in todo], timeout=c.step_timeout_s)
         self.fresh.clear()
         self.auc = float(state.get("auc", 0.5))
         if self.ctx is not None and todo:
-            self.ctx.log.event("ps_restore", role=SHARDS, shards=todo, replaced=lost)
+            self.ctx.log.event("ps_restore", role=SHARDS, shards=todo, replaced=lost, **({"applied_clocks": split} if not lost else {}))
+
+    def _applied_clocks(self) -> dict[str, int]:
+        """{shard: clocks applied} in sync mode."""
+        stats = ray.get([self.shards[i].stats.remote() for i in range(self.config.shards)], timeout=self.config.step_timeout_s)
+        return {str(i): int(s["next_clock"]) for i, s in enumerate(stats)}
 
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.config.target_auc > 0 and metrics["auc"] >= self.config.target_auc

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from raylane.checkpoint import CheckpointStore
 from raylane.cluster import ClusterView
 from raylane.elastic import Elasticity
-from raylane.placement import plan
+from raylane.placement import plan_when_free
 from raylane.plots import plot_run
 from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, ScalingPolicy, non_finite
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
@@ -249,9 +249,13 @@ class Driver:
     # ------------------------------------------------------------ phases
 
     def _initialize(self, runlog: RunLog, store: CheckpointStore) -> None:
-        cluster = self._cluster_source()
         roles = self.workload.roles()
-        the_plan = plan(roles, cluster)
+
+        def waiting(exc: Exception) -> None:
+            _say(f"waiting up to {self.config.placement_wait_s:g} s for busy capacity to free: {str(exc).splitlines()[0]}")
+            runlog.event("placement_wait", wait_s=self.config.placement_wait_s, error=str(exc))
+
+        cluster, the_plan = plan_when_free(roles, self._cluster_source, self.config.placement_wait_s, waiting)
         self._ctx = Context(cluster, the_plan, store, self.run_dir, runlog)
         runlog.event("plan", assignments=[a.__dict__ for a in the_plan.assignments])
         short = self._elastic.report_shortfalls(roles, the_plan, runlog)

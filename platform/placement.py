@@ -14,12 +14,14 @@ be lost. The planner assigns actors to nodes of a :class:`~raylane.cluster.Clust
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
+import time
 from collections import Counter
 from fractions import Fraction
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 from raylane.cluster import ClusterView, NodeInfo
 
@@ -393,3 +395,34 @@ def _no_room(role: RoleSpec, wanted: int, placed: int, nodes: Sequence[NodeInfo]
         lines.append(f"  node {n.node_id[:8]} ({n.market}) free {{{_fmt(free[n.node_id])}}}, missing {{{_fmt(missing)}}}")
     lines.append("Add nodes with those resources, lower the role's per-actor resources, or lower its count.")
     return "\n".join(lines)
+
+
+def plan_when_free(roles: Sequence[RoleSpec], read_cluster: Callable[[], ClusterView], wait_s: float,
+                   on_wait: Callable[[PlacementError], None] = lambda exc: None) -> tuple[ClusterView, Plan]:
+    """:func:`plan` on a fresh snapshot; while the roles would fit the cluster's whole
+    capacity but not what is free now, wait (up to ``wait_s``) for busy capacity to free,
+    calling ``on_wait(error)`` once. Capacity the cluster does not have fails at once."""
+    deadline = time.monotonic() + wait_s
+    waited = False
+    while True:
+        cluster = read_cluster()
+        try:
+            return cluster, plan(roles, cluster)
+        except PlacementError as exc:
+            if time.monotonic() >= deadline or not _fits_when_idle(roles, cluster):
+                raise
+            if not waited:
+                on_wait(exc)
+                waited = True
+        time.sleep(0.25)
+
+
+def _fits_when_idle(roles: Sequence[RoleSpec], cluster: ClusterView) -> bool:
+    """Whether the roles would fit with every node's CPUs, GPUs and memory free."""
+    idle = [dataclasses.replace(n, available={**n.available, "CPU": n.cpus, "GPU": n.gpus, "memory": max(n.memory, n.available.get("memory", 0.0))})
+            for n in cluster.nodes]
+    try:
+        plan(roles, dataclasses.replace(cluster, nodes=tuple(idle)))
+        return True
+    except PlacementError:
+        return False

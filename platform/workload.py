@@ -62,6 +62,10 @@ class DriverConfig:
     """Failures the run recovers from before it is FAILED."""
     max_recovery_s: float = cfg.field(600.0, ge=0)
     """Seconds one recovery may take (failure to running again) before the run is FAILED; 0: no limit."""
+    placement_wait_s: float = cfg.field(30.0, ge=0)
+    """When the roles fit the cluster but not what is free right now (the actors of a run
+    that just ended release their CPUs asynchronously; another job holds them), wait this
+    long for capacity to free before failing to start (said on the terminal and logged)."""
     resume: bool = True
     """Continue from the run's latest checkpoint when the run folder already has one."""
     autoscale: bool = True

@@ -19,9 +19,11 @@ from raylane.actors.param_shard import ParamShard, ShardConfig
 from raylane.actors.ps_layout import dense_slices, init_rows
 from raylane.actors.ps_worker import PSWorker, WorkerConfig
 from raylane.driver import DriverConfig, NonFiniteError
+from raylane import config as cfg
 from raylane.jobs.ps_ctr import SHARDS, WORKERS, PSCTRConfig, PSCTRWorkload
 from raylane.runlog import read_jsonl
 
+from ctr_tables import write_clicks  # tests/ctr_tables.py
 from harness import drive  # tests/harness.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -195,7 +197,61 @@ def test_an_actor_lost_mid_run_in_sync_mode_ends_bit_identical(ray_local, tmp_pa
         assert [(e["shards"], e["replaced"]) for e in restores] == [([0, 1], [1])]  # all back to the checkpoint, one replaced
         assert [e["shards"] for e in events if e["event"] == "ps_lost"] == [[1]]
     else:
-        assert restores == []  # a lost worker costs the shards nothing
+        # A lost worker costs the shards nothing, unless it died between its pushes of one
+        # clock to the two shards: then their applied clocks differ and both go back.
+        assert all(len(set(e["applied_clocks"].values())) > 1 and e["replaced"] == [] for e in restores), restores
+
+
+def test_a_worker_lost_between_its_pushes_of_one_clock_rolls_every_shard_back(ray_local, tmp_path, fault_free_sync):
+    """The hazard of a worker lost between pushing a clock to one shard and to the other,
+    made certain: before step KILL_AT, clock KILL_AT * CLOCKS is completed on shard 0 alone
+    (zero gradients from both workers), then worker 1 dies. The shards' applied clocks now
+    differ, so recovery rolls both back to the checkpoint, and the run still ends
+    bit-identical (kept as it was, shard 0 would skip that clock in the replay)."""
+    reference, clean_shards = fault_free_sync
+    conf = job(tmp_path, "split", "sync")
+    workload = PSCTRWorkload(conf)
+    final: dict = {}
+
+    def split_then_kill():
+        clock = KILL_AT * CLOCKS
+        zeros = {name: np.zeros(b - a, np.float32) for name, (a, b) in workload.slices[0].items()}
+        assert all(ray.get([workload.shards[0].push.remote(w, clock, zeros, {}) for w in (0, 1)], timeout=60))
+        ray.kill(workload.workers[1], no_restart=True)
+
+    def keep_state():
+        final["shards"] = workload.state_dict()["shards"]
+
+    summary = drive(workload, conf.driver, at={KILL_AT: split_then_kill}, before_close=keep_state).summary
+    assert summary["state"] == "finished" and summary["failures_recovered"] == 1, summary
+    restores = [e for e in read_jsonl(tmp_path / "split" / "events.jsonl") if e["event"] == "ps_restore"]
+    assert [(e["shards"], e["replaced"], e["applied_clocks"]) for e in restores] == [([0, 1], [], {"0": KILL_AT * CLOCKS + 1, "1": KILL_AT * CLOCKS})]
+    for i in clean_shards:
+        assert_same_arrays(by_id(final["shards"][i]), by_id(clean_shards[i]), f"shard {i}")
+    assert summary["final_metrics"]["auc"] == reference["final_metrics"]["auc"]
+
+
+def test_a_users_parquet_clicks_train_and_a_lost_worker_rereads_only_its_rows(ray_local, tmp_path):
+    """Clicks from the user's Parquet files (string ids hashed into each field's table,
+    numeric columns, a 0/1 label): a sync run learns them, and one that loses a worker
+    mid-step ends bit-identical to it, the replacement reading the lost worker's rows."""
+    folder = write_clicks(tmp_path / "clicks", 30_000)
+
+    def conf(name: str) -> PSCTRConfig:
+        c = cfg.load_config(PSCTRConfig, overrides=[f"data.path={folder}", "data.label=clicked", "eval_rows=5000", "buckets=2000",
+                                                   "workers=2", "shards=2", "batch_size=256", f"clocks_per_step={CLOCKS}",
+                                                   "shard_cpus=0.25", "worker_cpus=0.25", "lr=0.1"])
+        c.driver = DriverConfig(run_name=name, runs_dir=str(tmp_path), max_steps=STEPS, checkpoint_every_steps=EVERY, progress=False, tensorboard=False)
+        return c
+
+    clean, clean_shards, _ = run(conf("parquet"))
+    assert clean["state"] == "finished" and clean["final_metrics"]["auc"] > 0.7, clean["final_metrics"]
+    assert set(next(iter(clean_shards.values()))["tables"]) == {f"field{f}" for f in range(4)}  # one table per categorical column
+    summary, shards, _ = run(conf("parquet_faulted"), kill=WORKERS)
+    assert summary["state"] == "finished" and summary["failures_recovered"] >= 1, summary
+    for i in clean_shards:
+        assert_same_arrays(by_id(shards[i]), by_id(clean_shards[i]), f"shard {i}")
+    assert summary["final_metrics"]["auc"] == clean["final_metrics"]["auc"]
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])

@@ -25,6 +25,7 @@ from raylane.placement import (
     place_more,
     place_one,
     plan,
+    plan_when_free,
     split_by_speed,
 )
 from raylane.ray_options import ray_options
@@ -715,3 +716,27 @@ def test_placement_imports_no_ray():
 
     code = "import sys, raylane.placement; assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules), 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------- plan_when_free
+
+
+def test_a_plan_waits_for_busy_capacity_to_free_but_not_for_capacity_the_cluster_lacks():
+    """The actors of a run that just ended free their CPUs asynchronously: a new run's plan
+    waits for them; a role the whole cluster cannot hold fails at once, waiting for nothing."""
+    role = RoleSpec("w", {"CPU": 1.0}, count=2)
+    snapshots = [view(node("a", cpus=2.0, free_cpu=0.0))] * 3 + [view(node("a", cpus=2.0))]
+    reads, waits = [], []
+
+    def read():
+        reads.append(1)
+        return snapshots[min(len(reads), len(snapshots)) - 1]
+
+    cluster, p = plan_when_free([role], read, wait_s=30.0, on_wait=waits.append)
+    assert len(p.for_role("w")) == 2 and len(reads) == 4 and len(waits) == 1 and "only 0 fit" in str(waits[0])
+    with pytest.raises(PlacementError, match="only 0 fit"):  # busy the whole time: fails once the wait is over
+        plan_when_free([role], lambda: snapshots[0], wait_s=0.5)
+    too_big, calls = RoleSpec("w", {"CPU": 1.0}, count=3), []
+    with pytest.raises(PlacementError):
+        plan_when_free([too_big], lambda: calls.append(1) or snapshots[0], wait_s=30.0, on_wait=calls.append)
+    assert len(calls) == 1  # read once, never waited
