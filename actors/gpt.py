@@ -140,10 +140,12 @@ def load_layer_state(layer: nn.Module, opt: torch.optim.Optimizer | None, state:
         opt.load_state_dict({"state": {int(k): {n: (torch.as_tensor(t).to(device) if n != "step" else torch.as_tensor(t)) for n, t in s.items()} for k, s in o["state"].items()}, "param_groups": groups})
 
 
-def measure_costs(c: GPTConfig, batch: int, *, repeats: int = 3) -> list[float]:
+def measure_costs(c: GPTConfig, batch: int, layers: Sequence[nn.Module] | None = None, *, repeats: int = 3) -> list[float]:
     """Seconds of forward plus backward per layer for one micro-batch of ``batch`` sequences
-    on this process (median of ``repeats``); what the layer split weighs layers by."""
-    layers = build_layers(c)
+    on this process (median of ``repeats``); what the layer split weighs layers by.
+    ``layers``: a model of the user's own (token ids of ``c.vocab`` and ``c.seq_len`` in);
+    the built-in model of ``c``'s shape when None."""
+    layers = build_layers(c) if layers is None else layers
     x: torch.Tensor = torch.randint(0, c.vocab, (batch, c.seq_len))
     out = []
     for i, layer in enumerate(layers):

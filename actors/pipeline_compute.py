@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from raylane.actors import gpt
+from raylane.actors.lm_factory import LayerFactory
 from raylane.actors.pipeline_schedules import Schedule
 
 
@@ -28,7 +29,8 @@ class StageConfig:
     """One stage's slice of the job's config."""
 
     model: gpt.GPTConfig
-    """The whole model's shape (a stage builds only its layers, each from its own seed)."""
+    """The whole model's shape (a stage builds only its layers, each from its own seed);
+    with a ``factory``, only its vocab and seq_len mean anything."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -39,6 +41,8 @@ class StageConfig:
     """torch intra-op threads (the CPUs the actor reserves)."""
     link_timeout_s: float | None = None
     """gloo transport: longest one wait on a neighbour stage (a receive, a send's completion) may take before this stage fails with an error naming it, so a dead or stuck peer cannot hang the batch; None: the timeout the driver connects with (the step timeout), which also bounds the group's setup."""
+    factory: LayerFactory | None = None
+    """The user's model (its layers and loss); None: the built-in GPT of ``model``'s shape."""
     timed: tuple[float, float] | None = None
     """Benchmarks only: every layer is a fixed-time operation of (forward, backward) seconds
     instead of the model's layer, so a schedule's bubble and overhead can be measured
@@ -78,7 +82,11 @@ class StageCore:
         for j, ids in sorted(pieces.items()):
             layers = []
             for i in ids:
-                layer = (gpt.build_layer(c.model, i) if c.timed is None else TimedLayer(c.model, i, *c.timed)).to(self.device)
+                if c.timed is not None:
+                    layer = TimedLayer(c.model, i, *c.timed)
+                else:
+                    layer = c.factory.layer(i) if c.factory is not None else gpt.build_layer(c.model, i)
+                layer = layer.to(self.device)
                 opt = gpt.make_optimizer(layer, c.lr, c.weight_decay)
                 if states is not None:
                     gpt.load_layer_state(layer, opt, states[str(i)])
@@ -134,7 +142,9 @@ class StageCore:
         if vstage == self.last:
             if targets is None:
                 raise ValueError(f"the last virtual stage {vstage} needs the targets of micro-batch {mb}")
-            loss = gpt.loss_fn(out, torch.as_tensor(targets).to(self.device))
+            factory = self.config.factory
+            loss_fn = factory.loss() if factory is not None else gpt.loss_fn
+            loss = loss_fn(out, torch.as_tensor(targets).to(self.device))
             self.stash[(vstage, mb)] = (inp, loss * scale)
             return loss.detach().cpu()
         return out.detach()

@@ -6,8 +6,10 @@ layer cost and the speed of the node each stage landed on; every step runs one b
 ``micro_batches`` micro-batches through each of ``replicas`` pipelines in the chosen
 schedule (gpipe, 1f1b, interleaved, bfs), averages each layer's gradients over the
 replicas and takes one optimizer step. The text is generated in the package
-(:mod:`raylane.actors.corpus`); batches are drawn from ``(seed, step, replica)``, so a
-recovered or resumed run trains on exactly the batches an uninterrupted one would.
+(:mod:`raylane.actors.corpus`), or read from the user's token file, and the layers may be
+the user's own (:mod:`raylane.jobs.pipeline_inputs`); batches are drawn from ``(seed,
+step, replica)``, so a recovered or resumed run trains on exactly the batches an
+uninterrupted one would. ``raylane run pipeline`` is the same job.
 
 Checkpoints hold every layer's parameters and optimizer state by layer index, so they
 can be cut differently on load. A lost stage (its actor or its node): the others drop
@@ -45,6 +47,8 @@ from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.preemption import NodeLeaving
 from raylane.group import CallTimeoutError, Gang, PoolError
+from raylane.actors.lm_factory import LayerFactory
+from raylane.jobs.pipeline_inputs import TokenData, Tokens, assemble, greedy, load_factory, load_tokens
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
@@ -54,7 +58,7 @@ ROLE = "pipeline_stage"
 
 @dataclass
 class ModelShape:
-    """The GPT-style model (its vocabulary is the corpus's 96 byte-level tokens)."""
+    """The model: the built-in GPT-style model of this shape, or your own (``factory``)."""
 
     seq_len: int = cfg.field(64, ge=2)
     """Tokens per sequence."""
@@ -66,12 +70,22 @@ class ModelShape:
     """Transformer blocks; the model has n_blocks + 2 layers (embedding and head)."""
     seed: int = 0
     """Seed of the initial weights."""
+    factory: str | None = None
+    """Your own model, by import path (package.module:NAME or path/to/file.py:NAME) of
+    ``factory(spec) -> (layers, loss)``: ``spec`` has vocab and seq_len, ``layers`` is an
+    ordered list of torch.nn.Module (the first takes token ids [B, T], each next the
+    previous output) and ``loss(output, targets [B, T])`` a scalar. The layers are cut over
+    the stages by measured cost like the built-in model's. d_model, n_heads and n_blocks
+    shape the built-in model only, so they are refused with a factory."""
 
     def validate(self) -> None:
-        gpt.check(self.gpt())
+        gpt.check(self.gpt(corpus.VOCAB))
+        changed = [k for k in ("d_model", "n_heads", "n_blocks") if getattr(self, k) != getattr(ModelShape, k)]
+        if self.factory is not None and changed:
+            raise ValueError(f"factory={self.factory!r} builds the whole model, so {', '.join(changed)} would be ignored; drop them")
 
-    def gpt(self) -> gpt.GPTConfig:
-        return gpt.GPTConfig(vocab=corpus.VOCAB, seq_len=self.seq_len, d_model=self.d_model, n_heads=self.n_heads, n_blocks=self.n_blocks, seed=self.seed)
+    def gpt(self, vocab: int) -> gpt.GPTConfig:
+        return gpt.GPTConfig(vocab=vocab, seq_len=self.seq_len, d_model=self.d_model, n_heads=self.n_heads, n_blocks=self.n_blocks, seed=self.seed)
 
 
 @dataclass
@@ -79,7 +93,9 @@ class PipelineLMConfig:
     """Pipeline-parallel training of a small GPT-style model on generated text."""
 
     model: ModelShape = field(default_factory=ModelShape)
-    """The model's shape."""
+    """The model: the built-in GPT's shape, or your own factory."""
+    data: TokenData = field(default_factory=TokenData)
+    """The tokens: generated text, or your .npy of token ids or UTF-8 text file (data.path)."""
     stages: int = cfg.field(2, ge=1)
     """Stage actors per pipeline."""
     schedule: str = cfg.field("1f1b", choices=S.SCHEDULES)
@@ -107,7 +123,7 @@ class PipelineLMConfig:
     stage_cpus: float = cfg.field(1.0, gt=0)
     """CPUs each stage reserves (its torch threads: the whole part, at least 1)."""
     text_chars: int = cfg.field(200_000, ge=1000)
-    """Characters of generated text."""
+    """Characters of generated text (without data.path)."""
     val_fraction: float = cfg.field(0.1, gt=0, lt=1)
     """Share of the text held out for the final validation loss."""
     seed: int = 0
@@ -126,11 +142,22 @@ class PipelineLMConfig:
     """Run name, stop rules, checkpoints."""
 
     def validate(self) -> None:
-        n_layers = self.model.n_blocks + 2
-        if self.stages * self.chunks > n_layers:
-            raise ValueError(f"stages x chunks = {self.stages} x {self.chunks} = {self.stages * self.chunks} pieces but the model has only "
-                             f"{n_layers} layers (n_blocks + 2); use fewer stages or chunks, or more blocks")
+        self.inputs()
         S.make(self.schedule, self.stages, self.micro_batches, self.chunks)  # the schedule's own checks, with its messages
+
+    def inputs(self) -> tuple[Tokens, gpt.GPTConfig, LayerFactory | None, int]:
+        """The tokens, the model's shape, the user's factory (or None) and the number of
+        layers, each read and checked here, before Ray starts."""
+        tokens = load_tokens(self.data, text_chars=self.text_chars, seed=self.seed)
+        shape = self.model.gpt(tokens.vocab)
+        factory, n_layers = None, shape.n_layers
+        if self.model.factory is not None:
+            factory, n_layers = load_factory(self.model.factory, vocab=tokens.vocab, seq_len=self.model.seq_len, seed=self.model.seed)
+        if self.stages * self.chunks > n_layers:
+            what = f"model {self.model.factory!r} has {n_layers}" if factory else f"the model has only {n_layers} layers (n_blocks + 2)"
+            raise ValueError(f"stages x chunks = {self.stages} x {self.chunks} = {self.stages * self.chunks} pieces but {what}; "
+                             "use fewer stages or chunks" + ("" if factory else ", or more blocks"))
+        return tokens, shape, factory, n_layers
 
 
 # ---------------------------------------------------------------- layout (no Ray)
@@ -194,11 +221,11 @@ class PipelineLMWorkload(BaseWorkload):
     def __init__(self, config: PipelineLMConfig):
         cfg.validate(config)
         self.config = config
-        self.model = config.model.gpt()
-        tokens = corpus.encode(corpus.generate(config.text_chars, config.seed))
-        self.train_tokens, self.val_tokens = corpus.split(tokens, config.val_fraction)
+        self.tokens, self.model, self.factory, self.n_layers = config.inputs()
+        self.train_tokens, self.val_tokens = corpus.split(self.tokens.ids, config.val_fraction)
         if len(self.train_tokens) < self.model.seq_len + 2 or len(self.val_tokens) < self.model.seq_len + 1:
-            raise ValueError(f"text_chars={config.text_chars} with val_fraction={config.val_fraction} leaves too little text for seq_len={self.model.seq_len}")
+            what = f"text_chars={config.text_chars}" if config.data.path is None else f"data.path {config.data.path!r} ({len(self.tokens.ids)} tokens)"
+            raise ValueError(f"{what} with val_fraction={config.val_fraction} leaves too little text for seq_len={self.model.seq_len}")
         self.costs: list[float] = []
         self.gang: Gang | None = None  # elastic: rank r * p + s is stage s of replica r in the current layout
         self.ctx: Context | None = None
@@ -214,9 +241,10 @@ class PipelineLMWorkload(BaseWorkload):
     def setup(self, ctx: Context) -> None:
         c = self.config
         self.ctx = ctx
-        self.costs = gpt.measure_costs(self.model, c.micro_batch_size) if c.split == "measured" else [1.0] * self.model.n_layers
+        layers = self.factory.build()[0] if self.factory is not None else None
+        self.costs = gpt.measure_costs(self.model, c.micro_batch_size, layers) if c.split == "measured" else [1.0] * self.n_layers
         ctx.log.event("layer_costs", seconds=[round(x, 6) for x in self.costs], split=c.split)
-        stage = StageConfig(self.model, lr=c.lr, weight_decay=c.weight_decay, recompute=c.recompute, threads=max(1, int(c.stage_cpus)),
+        stage = StageConfig(self.model, lr=c.lr, weight_decay=c.weight_decay, recompute=c.recompute, threads=max(1, int(c.stage_cpus)), factory=self.factory,
                             link_timeout_s=c.link_timeout_s or None)
         cls = LinkedStage if c.dispatch == "linked" else PipelineStage
         self.gang = Gang(self.roles()[0], cls, actor_args=lambda key: ((stage,), {}), size=c.stages * c.replicas, start_timeout_s=c.start_timeout_s,
@@ -260,7 +288,7 @@ class PipelineLMWorkload(BaseWorkload):
         out: dict[str, Any] = {}
         for part in parts:
             out.update(part)
-        missing = [i for i in range(self.model.n_layers) if str(i) not in out]
+        missing = [i for i in range(self.n_layers) if str(i) not in out]
         if missing:
             raise RuntimeError(f"the pipeline's stages hold no state for layers {missing}")
         return out
@@ -271,9 +299,9 @@ class PipelineLMWorkload(BaseWorkload):
 
     def load_state_dict(self, state: dict) -> None:
         layers = state["layers"]
-        missing = [i for i in range(self.model.n_layers) if str(i) not in layers]
+        missing = [i for i in range(self.n_layers) if str(i) not in layers]
         if missing:
-            raise ValueError(f"the checkpoint has no state for layers {missing}: it is not of this model ({self.model.n_layers} layers)")
+            raise ValueError(f"the checkpoint has no state for layers {missing}: it is not of this model ({self.n_layers} layers)")
         self.last_loss = float(state.get("last_loss", float("nan")))
         self._relayout(states=layers)
         self._kept = None
@@ -354,16 +382,19 @@ class PipelineLMWorkload(BaseWorkload):
         """At the end: the held-out loss of the whole model (assembled here from the
         stages' layers) in ``final.json`` and a greedy sample in ``sample.txt``."""
         layers = self._gather_state()
-        model = assemble(self.model, layers)
+        model = assemble(self.model, layers, self.factory)
+        loss_fn = self.factory.loss() if self.factory is not None else gpt.loss_fn
         x, y = corpus.eval_windows(self.val_tokens, self.model.seq_len, limit=64)
         with torch.no_grad():
-            val = float(gpt.loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)))
-        prompt = corpus.encode("the cat ")
-        text = corpus.decode(greedy(model, self.model, prompt, 160))
+            val = float(loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)))
         _write(Path(ctx.run_dir) / "final.json", json.dumps({"val_loss": val, "train_loss": self.last_loss}, indent=1).encode())
-        _write(Path(ctx.run_dir) / "sample.txt", text.encode())
         ctx.log.event("final", val_loss=val)
-        log.info("pipeline_lm: held-out loss %.4f; sample: %r", val, text[:80])
+        if self.factory is None and self.tokens.kind != "npy":  # text in, text out: a greedy sample
+            prompt, decode = (corpus.encode("the cat "), corpus.decode) if self.tokens.kind == "generated" else \
+                (self.val_tokens[:8], lambda t: bytes(int(v) for v in t).decode("utf-8", errors="replace"))
+            text = decode(greedy(model, self.model, prompt, 160))
+            _write(Path(ctx.run_dir) / "sample.txt", text.encode())
+            log.info("pipeline_lm: held-out loss %.4f; sample: %r", val, text[:80])
 
     def pools(self) -> dict[str, Gang]:
         return {} if self.gang is None else {ROLE: self.gang}
@@ -389,30 +420,19 @@ class PipelineLMWorkload(BaseWorkload):
             self.gang = None
 
 
-def assemble(c: gpt.GPTConfig, layers: dict[str, Any]) -> torch.nn.Sequential:
-    """The whole model in this process from per-layer states (a checkpoint's ``layers``)."""
-    mods = gpt.build_layers(c)
-    for i, m in enumerate(mods):
-        gpt.load_layer_state(m, None, layers[str(i)])
-    return torch.nn.Sequential(*mods).eval()
-
-
-def greedy(model: torch.nn.Module, c: gpt.GPTConfig, prompt: np.ndarray, n: int) -> list[int]:
-    out = [int(t) for t in prompt]
-    with torch.no_grad():
-        for _ in range(n):
-            ctx = torch.tensor([out[-c.seq_len:]])
-            out.append(int(model(ctx)[0, -1].argmax()))
-    return out
-
-
 def _write(path: Path, payload: bytes) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(payload)
     os.replace(tmp, path)
 
 
+class PipelineWorkload(PipelineLMWorkload):
+    name = "pipeline"
+
+
 JOB = JobSpec("pipeline_lm", "A GPT-style model split over pipeline-stage actors (gpipe, 1f1b, interleaved, bfs); re-split over live stages after a loss.", PipelineLMConfig, PipelineLMWorkload)
+PIPELINE = JobSpec("pipeline", "pipeline_lm by its general name: your layers (model.factory) on your tokens (data.path), or the built-in GPT on generated text.",
+                   PipelineLMConfig, PipelineWorkload)
 
 if __name__ == "__main__":
     job_main(JOB)

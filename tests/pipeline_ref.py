@@ -21,9 +21,10 @@ def reference(conf: PipelineLMConfig, steps: int) -> tuple[list[float], dict[str
 
 
 def _train(conf: PipelineLMConfig, steps: int) -> tuple[list[float], dict[str, dict]]:
-    c = conf.model.gpt()
-    tokens, _ = corpus.split(corpus.encode(corpus.generate(conf.text_chars, conf.seed)), conf.val_fraction)
-    layers = gpt.build_layers(c)
+    ids, c, factory, _ = conf.inputs()  # the tokens, and the built-in model's shape or the user's factory
+    tokens, _ = corpus.split(ids.ids, conf.val_fraction)
+    layers = factory.build()[0] if factory is not None else gpt.build_layers(c)
+    loss_fn = factory.loss() if factory is not None else gpt.loss_fn
     opts = [gpt.make_optimizer(layer, conf.lr, conf.weight_decay) for layer in layers]
     model = torch.nn.Sequential(*layers)
     losses = []
@@ -32,7 +33,7 @@ def _train(conf: PipelineLMConfig, steps: int) -> tuple[list[float], dict[str, d
         for r in range(conf.replicas):
             x, y = corpus.batch(tokens, conf.micro_batches, conf.micro_batch_size, c.seq_len, seed=conf.seed, step=step, replica=r)
             for mb in range(conf.micro_batches):
-                loss = gpt.loss_fn(model(torch.from_numpy(x[mb])), torch.from_numpy(y[mb]))
+                loss = loss_fn(model(torch.from_numpy(x[mb])), torch.from_numpy(y[mb]))
                 (loss / (conf.micro_batches * conf.replicas)).backward()
                 total += float(loss.detach())
         for opt in opts:

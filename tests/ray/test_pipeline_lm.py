@@ -8,11 +8,13 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 import ray
 
+from raylane import config as cfg
 from raylane.driver import Driver, DriverConfig
-from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig, PipelineLMWorkload
+from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig, PipelineLMWorkload, PipelineWorkload
 
 from harness import drive  # tests/harness.py
 from pipeline_ref import check_close, final_params, reference  # tests/pipeline_ref.py
@@ -83,3 +85,34 @@ def test_a_stage_killed_mid_step_is_recovered_from_the_last_checkpoint(ray_local
     assert relayout["stages"] == 3 and sorted(i for piece in relayout["pieces"] for ids in piece.values() for i in ids) == list(range(6))
     _, want_params = reference(conf, steps)
     check_close(final_params(run.run_dir), want_params, SHAPE["d_model"])
+
+
+def test_pipeline_trains_the_users_layers_on_their_token_file_through_a_stage_kill(ray_local, tmp_path):
+    """``raylane run pipeline`` on the user's own parts: layers from their factory (cut by
+    measured cost, unchanged), token ids from a .npy file; a stage killed mid-run is
+    recovered from the checkpoint, and the weights end as one process trains them."""
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "ids.npy", (np.cumsum(rng.integers(1, 3, 20_000)) % 37).astype(np.int32))  # a learnable sequence
+    steps = 8
+    conf = cfg.load_config(PipelineLMConfig, overrides=[
+        "model.seq_len=16", "model.factory=lm_models:tiny_lm", f"data.path={tmp_path / 'ids.npy'}", "stages=2", "schedule=gpipe",
+        "micro_batch_size=2", "stage_cpus=0.25", "lr=5e-3"])
+    conf.driver = DriverConfig(run_name="byo", runs_dir=str(tmp_path), max_steps=steps, checkpoint_every_steps=4, progress=False, tensorboard=False)
+    workload = PipelineWorkload(conf)
+    killed = []
+
+    def kill_a_stage():
+        victim = workload.layout.pipelines[0][1]
+        threading.Timer(0.01, lambda: (ray.kill(victim, no_restart=True), killed.append(1))).start()
+
+    run = drive(workload, conf.driver, at={6: kill_a_stage})
+    assert killed and run.summary["state"] == "finished" and run.summary["failures_recovered"] == 1, run.summary
+    assert run.run_dir.name == "byo" and [e for e in run.events if e["event"] == "layer_costs"][0]["split"] == "measured"
+    layout = [e for e in run.events if e["event"] == "pipeline_layout"][-1]
+    assert sorted(i for piece in layout["pieces"] for ids in piece.values() for i in ids) == [0, 1, 2, 3]
+    losses, want = reference(conf, steps)
+    got = [m["loss"] for m in read(tmp_path / "byo", "metrics.jsonl")]
+    assert got[-1] < got[0] - 0.3, got  # it learns
+    check_close(final_params(run.run_dir), want, 16)
+    assert json.loads((run.run_dir / "final.json").read_text())["val_loss"] < got[0]
+    assert not (run.run_dir / "sample.txt").exists()  # token ids in: no text to sample

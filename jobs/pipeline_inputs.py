@@ -1,0 +1,119 @@
+"""What the pipeline job trains on and what it trains: tokens and the model.
+
+Tokens: the generated corpus (the default), a ``.npy`` of token ids, or a UTF-8 text file
+tokenised by bytes (ids 0..255), local or on any pyarrow filesystem (s3://, gs://, hdfs://).
+The model: the built-in GPT, or the user's ``factory(spec) -> (layers, loss)`` named by
+import path (:mod:`raylane.actors.lm_factory`). Both are read and checked on the driver
+before Ray starts; a token id beyond the vocabulary, a file that is not UTF-8, or a factory
+that does not build a usable model is refused naming it.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from raylane import config as cfg
+from raylane import imports
+from raylane.actors import corpus, gpt
+from raylane.actors.lm_factory import LayerFactory, LMSpec, ModelFactoryError, check
+from raylane.actors.tabular_files import filesystem
+
+
+@dataclass
+class TokenData:
+    """Where the tokens come from; without a path, text generated in the package."""
+
+    path: str | None = None
+    """A .npy file of token ids (any integer dtype, one dimension), or a UTF-8 text file
+    tokenised by bytes; local or a pyarrow URI. null: generated text (96 byte-level tokens)."""
+    format: Literal["auto", "npy", "text"] = "auto"
+    """auto: .npy files are token ids, anything else is text."""
+    vocab: int | None = cfg.field(None, ge=2)
+    """Token ids are 0..vocab-1. null: the largest id + 1 for .npy, 256 for text, 96 for generated text."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The tokens read, and what they are."""
+
+    ids: np.ndarray
+    """Every token id, int64, in order."""
+    vocab: int
+    """Ids are 0..vocab-1."""
+    kind: str
+    """``generated``, ``npy`` or ``text``."""
+
+
+def load_tokens(d: TokenData, *, text_chars: int, seed: int) -> Tokens:
+    """The tokens ``d`` names, checked (ids within the vocabulary)."""
+    if d.path is None:
+        ids = corpus.encode(corpus.generate(text_chars, seed))
+        return Tokens(ids, _vocab(d, ids, corpus.VOCAB, "the generated text"), "generated")
+    fmt = d.format if d.format != "auto" else ("npy" if d.path.lower().endswith(".npy") else "text")
+    fs, path = filesystem(d.path)
+    try:
+        with fs.open_input_file(path) as f:
+            raw = f.read()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"data.path: cannot read {d.path!r}: {exc}") from None
+    if fmt == "npy":
+        try:
+            ids = np.load(io.BytesIO(raw), allow_pickle=False)
+        except ValueError as exc:
+            raise ValueError(f"data.path {d.path!r} is not a .npy array of token ids ({exc}); pickled arrays are refused") from None
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"data.path {d.path!r} holds a {ids.dtype} array of shape {ids.shape}; token ids are one dimension of integers")
+        ids = ids.astype(np.int64)
+        if ids.size and ids.min() < 0:
+            at = int(np.argmin(ids))
+            raise ValueError(f"data.path {d.path!r}: token id {int(ids[at])} at position {at} is negative; ids are 0..vocab-1")
+        return Tokens(ids, _vocab(d, ids, int(ids.max()) + 1 if ids.size else 2, repr(d.path)), "npy")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"data.path {d.path!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); give UTF-8 text, or token ids as a .npy file") from None
+    ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+    return Tokens(ids, _vocab(d, ids, 256, repr(d.path)), "text")
+
+
+def _vocab(d: TokenData, ids: np.ndarray, default: int, what: str) -> int:
+    vocab = d.vocab if d.vocab is not None else default
+    if ids.size and int(ids.max()) >= vocab:
+        at = int(np.argmax(ids))
+        raise ValueError(f"data.vocab: token id {int(ids[at])} at position {at} of {what} is beyond vocab={vocab} (ids are 0..vocab-1); "
+                         f"raise data.vocab to at least {int(ids.max()) + 1}")
+    return vocab
+
+
+def load_factory(path: str, *, vocab: int, seq_len: int, seed: int) -> tuple[LayerFactory, int]:
+    """The user's model factory, built and run on a batch here; and its number of layers."""
+    try:
+        fn = imports.load_object(path, "model factory")
+    except imports.ImportPathError as exc:
+        raise ModelFactoryError(str(exc)) from None
+    if not callable(fn):
+        raise ModelFactoryError(f"model factory {path!r} is a {type(fn).__name__}, not a callable factory(spec) -> (layers, loss)")
+    factory = LayerFactory(fn, path, LMSpec(vocab, seq_len), seed)
+    return factory, check(factory)
+
+
+def assemble(c: gpt.GPTConfig, layers: dict[str, Any], factory: LayerFactory | None = None) -> torch.nn.Sequential:
+    """The whole model in this process from per-layer states (a checkpoint's ``layers``)."""
+    mods = factory.build()[0] if factory is not None else gpt.build_layers(c)
+    for i, m in enumerate(mods):
+        gpt.load_layer_state(m, None, layers[str(i)])
+    return torch.nn.Sequential(*mods).eval()
+
+
+def greedy(model: torch.nn.Module, c: gpt.GPTConfig, prompt: np.ndarray, n: int) -> list[int]:
+    out = [int(t) for t in prompt]
+    with torch.no_grad():
+        for _ in range(n):
+            ctx = torch.tensor([out[-c.seq_len:]])
+            out.append(int(model(ctx)[0, -1].argmax()))
+    return out
