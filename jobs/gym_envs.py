@@ -62,9 +62,14 @@ def _unknown(env_id: str, name: str, module: str | None, added: list[str]) -> st
     import gymnasium as gym
 
     namespace = name.split("/", 1)[0] if "/" in name else None
-    if module and added:
-        return (f"env_id {env_id!r}: module {module!r} was imported but registers no {name!r}; "
-                f"it registers {', '.join(added[:8])}{' ...' if len(added) > 8 else ''}")
+    if module:
+        # ids it registered now, or when it was first imported (its entry points name it)
+        ours = added or sorted(k for k, spec in gym.registry.items() if _entry_module(spec.entry_point) == module)
+        if ours:
+            return (f"env_id {env_id!r}: module {module!r} was imported but registers no {name!r}; "
+                    f"it registers {', '.join(ours[:8])}{' ...' if len(ours) > 8 else ''}")
+        return (f"env_id {env_id!r}: module {module!r} was imported but registers no environment at all; register "
+                f"yours when the module is imported: gymnasium.register(id={name!r}, entry_point=YourEnv)")
     if namespace in PLUGINS and not module:
         mod, pip = PLUGINS[namespace]
         return (f"env_id {env_id!r} comes from the plugin package {pip}: `pip install {pip}`, then use "
@@ -74,6 +79,13 @@ def _unknown(env_id: str, name: str, module: str | None, added: list[str]) -> st
             else " `python -c \"import gymnasium; gymnasium.pprint_registry()\"` lists them; an env of a plugin "
                  "package or of your own module is written 'module:EnvId'.")
     return f"env_id {env_id!r} is not a registered gymnasium environment.{hint}"
+
+
+def _entry_module(entry_point: Any) -> str | None:
+    """The module an env's entry point lives in ("pkg.mod:Class" or the class itself)."""
+    if isinstance(entry_point, str):
+        return entry_point.split(":", 1)[0]
+    return getattr(entry_point, "__module__", None)
 
 
 def make(env: str | EnvRecipe):

@@ -37,6 +37,20 @@ def test_a_users_module_is_imported_first_and_the_workers_get_module_colon_id(pl
 def test_a_module_that_registers_other_ids_lists_them(plugin):
     with pytest.raises(EnvError, match=r"registers no 'RaylaneTest/Hallway-v0'; it registers RaylaneTest/Corridor-v0"):
         resolve(f"{plugin}:RaylaneTest/Hallway-v0")
+    # asked again, the module is imported already and registers nothing new: still listed
+    with pytest.raises(EnvError, match=r"registers no 'RaylaneTest/Hallway-v0'; it registers RaylaneTest/Corridor-v0"):
+        resolve(f"{plugin}:RaylaneTest/Hallway-v0")
+
+
+def test_a_module_that_registers_nothing_says_how_to_register(tmp_path, monkeypatch):
+    (tmp_path / "raylane_no_envs.py").write_text("import gymnasium\nVALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(EnvError, match=r"module 'raylane_no_envs' was imported but registers no environment at all; "
+                                           r"register yours .*gymnasium.register\(id='Maze-v0', entry_point=YourEnv\)"):
+            resolve("raylane_no_envs:Maze-v0")
+    finally:
+        sys.modules.pop("raylane_no_envs", None)
 
 
 def test_plugin_namespaces_name_the_package_to_install():
