@@ -1,0 +1,213 @@
+"""``raylane run federated``: FedAvg and FedProx over clients with their own data, on (spot) client actors.
+
+Each round (one driver step) the server samples ``clients_per_round`` of the logical
+clients, puts the global weights in the object store once, and hands the clients to the
+client actors' task pool (an actor serves any number of logical clients in turn). Every
+client trains locally until its epochs are done or the round's deadline comes; the server
+gathers what came back by the deadline and averages the models weighted by the clients'
+rows. FedProx keeps the partial work of clients that ran out of time (its proximal term
+keeps those updates near the global model); FedAvg, as usually run, drops them.
+
+Faults cost one round's update of the clients they hit: a client actor lost mid-round is
+dropped from that round (the pool starts a replacement; its logical clients are served
+by whichever actor is free next round), and the server never waits past the deadline.
+The server's state is the global model: rounds pick their clients from ``(seed, round)``,
+so a resumed run goes on exactly as an uninterrupted one.
+
+    raylane run federated
+    raylane run federated --set alpha=0.1 --set stragglers=0.5 --set algorithm=fedavg
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import ray
+import torch
+import torch.nn.functional as F
+
+from raylane import config as cfg
+from raylane.actors.fed_client import ClientConfig, FedClient, load_digits_split, make_model
+from raylane.actors.fed_math import aggregate, drops_out, is_straggler, partition, sample_clients
+from raylane.driver import Context, DriverConfig
+from raylane.group import TaskPool
+from raylane.launch import job_main
+from raylane.placement import RoleSpec
+from raylane.registry import JobSpec
+from raylane.workload import BaseWorkload
+
+ROLE = "fed_client"
+FEDPROX_MU = 0.01
+
+
+@dataclass
+class FederatedConfig:
+    """Federated training of a classifier on scikit-learn's digits, split over clients."""
+
+    clients: int = cfg.field(20, ge=1)
+    """Logical clients the training rows are split over."""
+    clients_per_round: int = cfg.field(5, ge=1)
+    """Clients sampled each round."""
+    actors: int = cfg.field(2, ge=1)
+    """Client actors to start (each serves several logical clients in turn)."""
+    max_actors: int = cfg.field(16, ge=1)
+    """Most client actors the pool may grow to."""
+    algorithm: Literal["fedavg", "fedprox"] = "fedprox"
+    """fedprox: clients add mu/2 ||w - w_global||^2 to their loss, and the partial work of
+    clients that ran out of time counts; fedavg: no proximal term, and clients that did not
+    finish their epochs by the deadline are dropped from the round."""
+    mu: float | None = cfg.field(None, ge=0)
+    """FedProx's proximal weight (null: 0.01); fedavg takes none."""
+    local_epochs: int = cfg.field(2, ge=1)
+    """Passes over its rows a client makes per round (fewer if the deadline comes first)."""
+    batch_size: int = cfg.field(16, ge=1)
+    """Rows per local step."""
+    lr: float = cfg.field(0.05, gt=0)
+    """Local SGD step size."""
+    hidden: int = cfg.field(64, ge=1)
+    """Hidden units of the MLP."""
+    alpha: float | None = cfg.field(None, gt=0)
+    """Label skew: each class split over the clients by Dirichlet(alpha) (0.1: most of a
+    client's rows are of one or two classes); null: IID."""
+    stragglers: float = cfg.field(0.0, ge=0, le=1)
+    """Share of clients emulated as slow (fixed per client): they get through 1/slowdown of
+    their planned steps in a round, so their work is partial. The effect is the same on any
+    machine (no timing); real slowness meets the deadline instead."""
+    slowdown: float = cfg.field(4.0, ge=1)
+    """How much slower an emulated straggler is."""
+    dropout: float = cfg.field(0.0, ge=0, lt=1)
+    """Chance that a sampled client vanishes for the round (emulated; drawn per round and client)."""
+    round_deadline_s: float = cfg.field(30.0, gt=0)
+    """Longest a round's local training may run; the server never waits longer (plus a short grace)."""
+    test_fraction: float = cfg.field(0.2, gt=0, lt=1)
+    """Share of the rows held out for the server's evaluation."""
+    target_accuracy: float = cfg.field(0.0, ge=0, le=1)
+    """Stop once the held-out accuracy reaches this (0: run all rounds)."""
+    client_cpus: float = cfg.field(0.5, gt=0)
+    """CPUs each client actor reserves."""
+    seed: int = 0
+    """Seed of the split, the model, the sampling, the stragglers and the dropouts."""
+    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=30, checkpoint_every_steps=5))
+    """Run name, stop rules (a step is a round), checkpoints."""
+
+    def validate(self) -> None:
+        if self.clients_per_round > self.clients:
+            raise ValueError(f"clients_per_round ({self.clients_per_round}) cannot exceed clients ({self.clients})")
+        if self.actors > self.max_actors:
+            raise ValueError(f"actors ({self.actors}) must not exceed max_actors ({self.max_actors})")
+        if self.algorithm == "fedavg" and self.mu:
+            raise ValueError(f"mu={self.mu} is FedProx's proximal weight; algorithm=fedavg has none: set algorithm=fedprox or drop mu")
+        _, y, _, _ = load_digits_split(self.seed, self.test_fraction)
+        partition(y, self.clients, self.alpha, self.seed)  # every client gets rows, or a clear error now
+
+    @property
+    def proximal(self) -> float:
+        return 0.0 if self.algorithm == "fedavg" else (FEDPROX_MU if self.mu is None else self.mu)
+
+
+class FederatedWorkload(BaseWorkload):
+    name = "federated"
+    main_metric = "accuracy"
+    guarded_metrics = ("loss",)
+    progress_metrics = ("accuracy", "participants")
+
+    def __init__(self, config: FederatedConfig):
+        cfg.validate(config)
+        self.config = config
+        c = config
+        _, self.train_y, test_x, test_y = load_digits_split(c.seed, c.test_fraction)
+        self.test_x, self.test_y = torch.from_numpy(test_x), torch.from_numpy(test_y)
+        self.rows = [len(p) for p in partition(self.train_y, c.clients, c.alpha, c.seed)]
+        self.model = make_model(test_x.shape[1], c.hidden, 10, c.seed)
+        self.weights = {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+        self.pool: TaskPool | None = None
+
+    def roles(self) -> list[RoleSpec]:
+        c = self.config
+        return [RoleSpec(ROLE, {"CPU": c.client_cpus}, min_count=1, max_count=c.max_actors, want=c.actors)]
+
+    def setup(self, ctx: Context) -> None:
+        c = self.config
+        client = ClientConfig(c.clients, c.alpha, c.seed, c.hidden, c.lr, c.batch_size, c.test_fraction)
+        # A call never outlives its round by much (clients stop at the deadline), so the
+        # pool's own timeout only catches an actor that hangs.
+        self.pool = TaskPool(self.roles()[0], FedClient, actor_args=lambda key: ((client,), {}), size=max(1, min(c.actors, ctx.count(ROLE))),
+                             call_timeout_s=c.round_deadline_s + self.grace_s + 60.0)
+        self.pool.wait_ready(timeout_s=180)
+
+    @property
+    def grace_s(self) -> float:
+        """How long after the deadline the server waits for the replies of clients that stopped at it."""
+        return min(5.0, 0.5 * self.config.round_deadline_s)
+
+    def step(self, step: int) -> dict[str, Any]:
+        assert self.pool is not None
+        c = self.config
+        t0 = time.monotonic()
+        sampled = sample_clients(c.seed, step, c.clients, c.clients_per_round)
+        dropped = [k for k in sampled if drops_out(c.seed, step, k, c.dropout)]
+        weights = ray.put(self.weights)
+        deadline = time.time() + c.round_deadline_s
+        tickets = {}
+        for k in sampled:
+            if k in dropped:
+                continue
+            steps = _planned(self.rows[k], c.batch_size, c.local_epochs)
+            budget = max(1, int(steps / c.slowdown)) if is_straggler(c.seed, k, c.stragglers) else None
+            tickets[self.pool.submit("train", k, weights, step, c.local_epochs, c.proximal, deadline, budget, retry=False)] = k
+        done = self.pool.gather(tickets, timeout_s=c.round_deadline_s + self.grace_s, partial=True)
+        lost = sorted(tickets[t] for t in self.pool.lost())
+        late = sorted(k for t, k in tickets.items() if t not in done and k not in lost)
+        results = sorted(done.values(), key=lambda r: r["client"])  # client order: the same sum on a rerun
+        partial = [r["client"] for r in results if 0 < r["steps"] < r["planned"]]
+        used = [r for r in results if r["steps"] > 0 and (c.algorithm == "fedprox" or r["steps"] == r["planned"])]
+        if used:
+            self.weights = aggregate([(r["weights"], float(r["rows"])) for r in used])
+        accuracy, loss = self._evaluate()
+        return {
+            "accuracy": accuracy, "loss": loss, "participants": len(used), "partial": len(partial),
+            "dropped": len(dropped) + len(lost) + len(late) + (len(partial) if c.algorithm == "fedavg" else 0),
+            "lost": len(lost), "late": len(late), "round_s": time.monotonic() - t0, "actors": len(self.pool.actors()),
+            "clients": [r["client"] for r in used],
+        }
+
+    def _evaluate(self) -> tuple[float, float]:
+        self.model.load_state_dict({k: torch.as_tensor(v) for k, v in self.weights.items()})
+        with torch.no_grad():
+            logits = self.model(self.test_x)
+        return float((logits.argmax(1) == self.test_y).float().mean()), float(F.cross_entropy(logits, self.test_y))
+
+    def done(self, step: int, metrics: dict[str, Any]) -> bool:
+        return self.config.target_accuracy > 0 and metrics["accuracy"] >= self.config.target_accuracy
+
+    def state_dict(self) -> dict:
+        return {"weights": {k: v.copy() for k, v in self.weights.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.weights = {k: np.asarray(v).copy() for k, v in state["weights"].items()}
+
+    def pools(self) -> dict[str, TaskPool]:
+        return {} if self.pool is None else {ROLE: self.pool}
+
+    def recover(self, ctx: Context, error: BaseException) -> None:
+        assert self.pool is not None
+        self.pool.wait_for(1, timeout_s=180)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+
+def _planned(rows: int, batch_size: int, epochs: int) -> int:
+    return epochs * -(-rows // batch_size)
+
+
+JOB = JobSpec("federated", "FedAvg / FedProx over logical clients with their own (non-IID) data on spot client actors; partial work of stragglers counts.",
+              FederatedConfig, FederatedWorkload)
+
+if __name__ == "__main__":
+    job_main(JOB)
