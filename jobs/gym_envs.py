@@ -109,10 +109,7 @@ def load_wrappers(paths: list[str]) -> tuple[Callable[[Any], Any], ...]:
     out = []
     for path in paths:
         try:
-            wrapper = imports.load_object(path, "wrapper")
+            out.append(imports.load_callable(path, "wrapper", "env -> env"))
         except imports.ImportPathError as exc:
             raise EnvError(str(exc)) from None
-        if not callable(wrapper):
-            raise EnvError(f"wrapper {path!r} is a {type(wrapper).__name__}, not a callable env -> env")
-        out.append(wrapper)
     return tuple(out)

@@ -93,11 +93,9 @@ def _vocab(d: TokenData, ids: np.ndarray, default: int, what: str) -> int:
 def load_factory(path: str, *, vocab: int, seq_len: int, seed: int) -> tuple[LayerFactory, int]:
     """The user's model factory, built and run on a batch here; and its number of layers."""
     try:
-        fn = imports.load_object(path, "model factory")
+        fn = imports.load_callable(path, "model factory", "factory(spec) -> (layers, loss)")
     except imports.ImportPathError as exc:
         raise ModelFactoryError(str(exc)) from None
-    if not callable(fn):
-        raise ModelFactoryError(f"model factory {path!r} is a {type(fn).__name__}, not a callable factory(spec) -> (layers, loss)")
     factory = LayerFactory(fn, path, LMSpec(vocab, seq_len), seed)
     return factory, check(factory)
 

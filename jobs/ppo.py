@@ -152,11 +152,9 @@ def resolve(c: PPOConfig) -> tuple[EnvRecipe, NetConfig, SpaceSpec]:
         raise ValueError(f"policy={c.policy!r} builds the whole network, so {' and '.join(changed)} would be ignored; "
                          "drop them or let your factory read its own settings")
     try:
-        factory = imports.load_object(c.policy, "policy")
+        factory = imports.load_callable(c.policy, "policy", "factory(spec) -> nn.Module")
     except imports.ImportPathError as exc:
         raise PolicyFactoryError(str(exc)) from None
-    if not callable(factory):
-        raise PolicyFactoryError(f"policy {c.policy!r} is a {type(factory).__name__}, not a callable factory(spec) -> nn.Module")
     net = NetConfig(tuple(c.hidden), c.activation, factory, c.policy)
     check_factory(spec, net)
     return recipe, net, spec

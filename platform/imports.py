@@ -64,6 +64,15 @@ def load_object(target: str, what: str) -> Any:
     return getattr(module, attr)
 
 
+def load_callable(target: str, what: str, shape: str) -> Any:
+    """:func:`load_object`, refusing an object that cannot be called (``shape`` says what it
+    should be, e.g. ``factory(spec) -> nn.Module``)."""
+    obj = load_object(target, what)
+    if not callable(obj):
+        raise ImportPathError(f"{what} {target!r} is a {type(obj).__name__}, not a callable {shape}")
+    return obj
+
+
 def installed(module: ModuleType) -> bool:
     """True for raylane, the standard library and installed packages: they are on every node."""
     if module.__name__ == "raylane" or module.__name__.startswith("raylane."):

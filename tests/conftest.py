@@ -71,3 +71,21 @@ def spot_cluster(_spot_market):
             break
         time.sleep(0.2)
     return market
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """The name of a user's module (tests/plugin_envs.py: a corridor env it registers, wrappers,
+    network factories), written into a folder on the import path; unregistered afterwards."""
+    import sys
+
+    from plugin_envs import PLUGIN  # tests/plugin_envs.py
+
+    name = f"raylane_test_envs_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+    import gymnasium as gym
+
+    gym.registry.pop("RaylaneTest/Corridor-v0", None)

@@ -6,23 +6,9 @@ import sys
 
 import pytest
 
-from plugin_envs import PLUGIN  # tests/plugin_envs.py
 from raylane.jobs.gym_envs import EnvError, make, resolve, split_id
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
-
-
-
-@pytest.fixture
-def plugin(tmp_path, monkeypatch):
-    name = f"raylane_test_envs_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(PLUGIN)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield name
-    sys.modules.pop(name, None)
-    import gymnasium as gym
-
-    gym.registry.pop("RaylaneTest/Corridor-v0", None)
 
 
 def test_a_users_module_is_imported_first_and_the_workers_get_module_colon_id(plugin):

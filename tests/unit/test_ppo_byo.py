@@ -4,13 +4,10 @@ backend; each bad input refused with what to change."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-from plugin_envs import PLUGIN  # tests/plugin_envs.py
 from raylane.actors.envs import EnvRecipe, make_vector_env
 from raylane.actors.policy import ACTIVATIONS, ActorCritic, NumpyPolicy, TorchPolicy
 from raylane.actors.ppo_learner import Learner, LearnerConfig
@@ -22,16 +19,9 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def user(tmp_path, monkeypatch):
-    """The name of a user's module (env, wrapper, network factories) importable from here."""
-    name = f"raylane_byo_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(PLUGIN)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield name
-    sys.modules.pop(name, None)
-    import gymnasium as gym
-
-    gym.registry.pop("RaylaneTest/Corridor-v0", None)
+def user(plugin):
+    """The name of a user's module (env, wrappers, network factories) importable from here."""
+    return plugin
 
 
 def conf(user: str, *overrides: str) -> PPOConfig:
