@@ -1,11 +1,15 @@
 """``federated`` on one local Ray: IID training reaches its target, FedProx keeps the
 stragglers' partial work and beats FedAvg that drops it, a client actor killed mid-round
-costs that round's update only, and a stopped run resumes exactly."""
+costs that round's update only, and a stopped or SIGKILLed run resumes exactly."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -91,5 +95,36 @@ def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one(ray_local,
     assert summary["state"] == "finished" and summary["resumed_from"] == 7, summary
     _, a = CheckpointStore(str(tmp_path / "whole" / "checkpoints")).load()
     _, b = CheckpointStore(str(tmp_path / "parts" / "checkpoints")).load()
+    for k in a["workload"]["weights"]:
+        assert np.array_equal(np.asarray(a["workload"]["weights"][k]), np.asarray(b["workload"]["weights"][k])), k
+
+
+def launch(tmp_path, name: str) -> subprocess.Popen:
+    sets = ["alpha=0.5", "dropout=0.2", "driver.max_steps=60", "driver.checkpoint_every_steps=2", f"driver.runs_dir={tmp_path}", "driver.tensorboard=false"]
+    cmd = [sys.executable, "-m", "raylane.jobs.federated", "--run-name", name, "--no-progress"] + [a for s in sets for a in ("--set", s)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_a_sigkilled_server_resumes_exactly_from_its_last_checkpoint(ray_local, tmp_path):
+    """The driver (the server), its embedded Ray and its client actors SIGKILLed mid-run; run
+    again, it resumes at its last checkpoint and ends with the weights of a run never killed."""
+    run_dir = tmp_path / "victim"
+    victim = launch(tmp_path, "victim")
+    deadline = time.time() + 240
+    while time.time() < deadline and not any(e["event"] == "checkpoint" and e["step"] >= 4 for e in read_jsonl(run_dir / "events.jsonl")):
+        assert victim.poll() is None, victim.stdout.read()
+        time.sleep(0.02)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=30)
+    last = CheckpointStore(str(run_dir / "checkpoints")).latest()
+    assert last is not None and 4 <= last.step < 60
+    out, _ = (again := launch(tmp_path, "victim")).communicate(timeout=240)
+    assert again.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["state"] == "finished" and summary["resumed_from"] == last.step and summary["steps"] == 60, out
+    whole = make(tmp_path, "whole", "alpha=0.5", "dropout=0.2", "driver.max_steps=60", "driver.checkpoint_every_steps=2")
+    Driver(FederatedWorkload(whole), whole.driver).run()
+    _, a = CheckpointStore(str(tmp_path / "whole" / "checkpoints")).load()
+    _, b = CheckpointStore(str(run_dir / "checkpoints")).load()
     for k in a["workload"]["weights"]:
         assert np.array_equal(np.asarray(a["workload"]["weights"][k]), np.asarray(b["workload"]["weights"][k])), k
