@@ -45,7 +45,7 @@ def test_iid_clients_reach_the_target_accuracy(ray_local, tmp_path, algorithm):
 
 
 def test_fedprox_beats_fedavg_when_half_the_clients_are_stragglers_on_skewed_data(ray_local, tmp_path):
-    """Seed 0 (see tests/unit/test_federated.py for the gap over seeds): FedAvg drops the
+    """Seed 0 (see tests/unit/test_fed_rounds.py for the gap over seeds): FedAvg drops the
     stragglers' partial work, FedProx keeps it; the stragglers are emulated by a step
     budget, so the outcome does not depend on this machine's speed."""
     final = {}
