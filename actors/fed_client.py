@@ -23,38 +23,22 @@ import ray
 import torch
 import torch.nn.functional as F
 
-from raylane.actors.fed_math import partition, proximal_term
+from raylane.actors.fed_data import FedSource, load
+from raylane.actors.fed_math import proximal_term
 
 
 @dataclass(frozen=True)
 class ClientConfig:
     """The client actors' slice of the job's config."""
 
-    clients: int
-    """Logical clients the training rows are split over."""
-    alpha: float | None
-    """Dirichlet label skew of the split; None: IID."""
-    seed: int
-    """Seed of the split, the test rows, the model and the minibatch order."""
+    source: FedSource
+    """Where the rows come from and how they are split (every actor reads them itself)."""
     hidden: int = 64
     """Hidden units of the MLP."""
     lr: float = 0.05
     """Local SGD step size."""
     batch_size: int = 16
     """Rows per local step."""
-    test_fraction: float = 0.2
-    """Share of the rows held out for the server's evaluation (never on a client)."""
-
-
-def load_digits_split(seed: int, test_fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """scikit-learn's bundled handwritten digits (8x8, scaled to [0, 1]): train x, y, test x, y."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng([seed, 3]).permutation(len(y))
-    x, y = (x[order] / 16.0).astype(np.float32), y[order].astype(np.int64)
-    n_test = max(1, int(round(len(y) * test_fraction)))
-    return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
 
 
 def make_model(in_dim: int, hidden: int, classes: int, seed: int) -> torch.nn.Module:
@@ -69,9 +53,9 @@ class ClientCore:
     def __init__(self, config: ClientConfig):
         torch.set_num_threads(1)
         self.config = config
-        self.x, self.y, _, _ = load_digits_split(config.seed, config.test_fraction)
-        self.parts = partition(self.y, config.clients, config.alpha, config.seed)
-        self.model = make_model(self.x.shape[1], config.hidden, 10, config.seed)
+        data = load(config.source)
+        self.x, self.y, self.parts = data.x, data.y, data.parts
+        self.model = make_model(self.x.shape[1], config.hidden, data.classes, config.source.seed)
 
     def planned_steps(self, client: int, epochs: int) -> int:
         return epochs * math.ceil(len(self.parts[client]) / self.config.batch_size)
@@ -90,7 +74,7 @@ class ClientCore:
         opt = torch.optim.SGD(self.model.parameters(), lr=c.lr)
         planned = self.planned_steps(client, epochs)
         limit = planned if budget is None else min(planned, budget)
-        rng = np.random.default_rng([c.seed, 19, round_, client])
+        rng = np.random.default_rng([c.source.seed, 19, round_, client])
         steps, loss_sum = 0, 0.0
         for _ in range(epochs):
             order = rng.permutation(len(rows))

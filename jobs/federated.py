@@ -14,8 +14,12 @@ by whichever actor is free next round), and the server never waits past the dead
 The server's state is the global model: rounds pick their clients from ``(seed, round)``,
 so a resumed run goes on exactly as an uninterrupted one.
 
+The rows are scikit-learn's digits split over ``clients`` (IID or Dirichlet label skew),
+or the user's own table whose client-id column says whose each row is (``data.path``).
+
     raylane run federated
     raylane run federated --set alpha=0.1 --set stragglers=0.5 --set algorithm=fedavg
+    raylane run federated --set data.path=visits/ --set data.client_column=hospital --set data.label=diagnosis
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ import torch
 import torch.nn.functional as F
 
 from raylane import config as cfg
-from raylane.actors.fed_client import ClientConfig, FedClient, load_digits_split, make_model
+from raylane.actors.fed_client import ClientConfig, FedClient, make_model
+from raylane.actors.fed_data import DIGITS_CLIENTS, FedDataConfig, FedSource, describe_table, load, load_digits_split
 from raylane.actors.fed_math import aggregate, drops_out, is_straggler, partition, sample_clients
 from raylane.driver import Context, DriverConfig
 from raylane.group import TaskPool
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.registry import JobSpec
+from raylane.runlog import say
 from raylane.workload import BaseWorkload
 
 ROLE = "fed_client"
@@ -45,10 +51,14 @@ FEDPROX_MU = 0.01
 
 @dataclass
 class FederatedConfig:
-    """Federated training of a classifier on scikit-learn's digits, split over clients."""
+    """Federated training of a classifier on clients' own rows: your table with a client-id
+    column, or scikit-learn's digits split over clients."""
 
-    clients: int = cfg.field(20, ge=1)
-    """Logical clients the training rows are split over."""
+    data: FedDataConfig = field(default_factory=FedDataConfig)
+    """Your table (data.path) with a client-id column; scikit-learn's digits without one."""
+    clients: int | None = cfg.field(None, ge=1)
+    """Logical clients the digits are split over (null: 20). With data.path the table's
+    client ids decide; a number given must match theirs."""
     clients_per_round: int = cfg.field(5, ge=1)
     """Clients sampled each round."""
     actors: int = cfg.field(2, ge=1)
@@ -70,8 +80,8 @@ class FederatedConfig:
     hidden: int = cfg.field(64, ge=1)
     """Hidden units of the MLP."""
     alpha: float | None = cfg.field(None, gt=0)
-    """Label skew: each class split over the clients by Dirichlet(alpha) (0.1: most of a
-    client's rows are of one or two classes); null: IID."""
+    """Label skew of the digits split: each class split over the clients by Dirichlet(alpha)
+    (0.1: most of a client's rows are of one or two classes); null: IID. Not with data.path."""
     stragglers: float = cfg.field(0.0, ge=0, le=1)
     """Share of clients emulated as slow (fixed per client): they get through 1/slowdown of
     their planned steps in a round, so their work is partial. The effect is the same on any
@@ -83,7 +93,8 @@ class FederatedConfig:
     round_deadline_s: float = cfg.field(30.0, gt=0)
     """Longest a round's local training may run; the server never waits longer (plus a short grace)."""
     test_fraction: float = cfg.field(0.2, gt=0, lt=1)
-    """Share of the rows held out for the server's evaluation."""
+    """Share of the rows held out for the server's evaluation (of each client's rows with
+    data.path, each keeping at least one)."""
     target_accuracy: float = cfg.field(0.0, ge=0, le=1)
     """Stop once the held-out accuracy reaches this (0: run all rounds)."""
     client_cpus: float = cfg.field(0.5, gt=0)
@@ -94,14 +105,30 @@ class FederatedConfig:
     """Run name, stop rules (a step is a round), checkpoints."""
 
     def validate(self) -> None:
-        if self.clients_per_round > self.clients:
-            raise ValueError(f"clients_per_round ({self.clients_per_round}) cannot exceed clients ({self.clients})")
         if self.actors > self.max_actors:
             raise ValueError(f"actors ({self.actors}) must not exceed max_actors ({self.max_actors})")
         if self.algorithm == "fedavg" and self.mu:
             raise ValueError(f"mu={self.mu} is FedProx's proximal weight; algorithm=fedavg has none: set algorithm=fedprox or drop mu")
-        _, y, _, _ = load_digits_split(self.seed, self.test_fraction)
-        partition(y, self.clients, self.alpha, self.seed)  # every client gets rows, or a clear error now
+        if self.data.path is not None and self.alpha is not None:
+            raise ValueError(f"alpha={self.alpha} skews the digits split; with data.path the column "
+                             f"{self.data.client_column!r} says whose each row is: drop alpha")
+        source = self.source()
+        if self.clients_per_round > source.clients:
+            raise ValueError(f"clients_per_round ({self.clients_per_round}) cannot exceed clients ({source.clients})")
+        if source.table is None:
+            _, y, _, _ = load_digits_split(self.seed, self.test_fraction)
+            partition(y, source.clients, self.alpha, self.seed)  # every client gets rows, or a clear error now
+
+    def source(self) -> FedSource:
+        """Where the rows come from; a table is checked here (columns, labels, client ids)."""
+        if self.data.path is None:
+            return FedSource(self.seed, self.test_fraction, self.clients or DIGITS_CLIENTS, self.alpha)
+        table = describe_table(self.data)
+        if self.clients is not None and self.clients != len(table.client_ids):
+            raise ValueError(f"clients={self.clients}, but column {table.client_column!r} of {table.path!r} names "
+                             f"{len(table.client_ids)} clients: drop clients (the table decides) or fix the column")
+        table.held_out(self.test_fraction)
+        return FedSource(self.seed, self.test_fraction, len(table.client_ids), table=table)
 
     @property
     def proximal(self) -> float:
@@ -118,10 +145,11 @@ class FederatedWorkload(BaseWorkload):
         cfg.validate(config)
         self.config = config
         c = config
-        _, self.train_y, test_x, test_y = load_digits_split(c.seed, c.test_fraction)
-        self.test_x, self.test_y = torch.from_numpy(test_x), torch.from_numpy(test_y)
-        self.rows = [len(p) for p in partition(self.train_y, c.clients, c.alpha, c.seed)]
-        self.model = make_model(test_x.shape[1], c.hidden, 10, c.seed)
+        self.source = c.source()
+        data = load(self.source)
+        self.test_x, self.test_y = torch.from_numpy(data.test_x), torch.from_numpy(data.test_y)
+        self.rows = [len(p) for p in data.parts]
+        self.model = make_model(data.x.shape[1], c.hidden, data.classes, c.seed)
         self.weights = {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
         self.pool: TaskPool | None = None
 
@@ -131,7 +159,13 @@ class FederatedWorkload(BaseWorkload):
 
     def setup(self, ctx: Context) -> None:
         c = self.config
-        client = ClientConfig(c.clients, c.alpha, c.seed, c.hidden, c.lr, c.batch_size, c.test_fraction)
+        if (t := self.source.table) is not None:
+            shown = ", ".join(map(repr, t.client_ids[:5])) + (", ..." if len(t.client_ids) > 5 else "")
+            say(f"federated: {len(t.client_ids)} clients ({t.client_column}: {shown}), {t.classes} classes, "
+                f"{len(t.features)} features; {len(self.test_y)} rows held out for the server")
+            ctx.log.event("federated_data", path=t.path, clients=len(t.client_ids), classes=t.classes,
+                          features=list(t.features), held_out=len(self.test_y), train_rows=sum(self.rows))
+        client = ClientConfig(self.source, c.hidden, c.lr, c.batch_size)
         # A call never outlives its round by much (clients stop at the deadline), so the
         # pool's own timeout only catches an actor that hangs.
         self.pool = TaskPool(self.roles()[0], FedClient, actor_args=lambda key: ((client,), {}), size=max(1, min(c.actors, ctx.count(ROLE))),
@@ -147,7 +181,7 @@ class FederatedWorkload(BaseWorkload):
         assert self.pool is not None
         c = self.config
         t0 = time.monotonic()
-        sampled = sample_clients(c.seed, step, c.clients, c.clients_per_round)
+        sampled = sample_clients(c.seed, step, self.source.clients, c.clients_per_round)
         dropped = [k for k in sampled if drops_out(c.seed, step, k, c.dropout)]
         weights = ray.put(self.weights)
         deadline = time.time() + c.round_deadline_s
@@ -206,7 +240,7 @@ def _planned(rows: int, batch_size: int, epochs: int) -> int:
     return epochs * -(-rows // batch_size)
 
 
-JOB = JobSpec("federated", "FedAvg / FedProx over logical clients with their own (non-IID) data on spot client actors; partial work of stragglers counts.",
+JOB = JobSpec("federated", "FedAvg / FedProx over logical clients with their own (non-IID) data, digits or your table, on spot client actors; partial work of stragglers counts.",
               FederatedConfig, FederatedWorkload)
 
 if __name__ == "__main__":

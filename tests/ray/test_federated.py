@@ -22,6 +22,7 @@ from raylane.jobs.federated import FederatedConfig, FederatedWorkload
 from raylane.runlog import read_jsonl
 
 from harness import drive  # tests/harness.py
+from fed_tables import write_clients  # tests/fed_tables.py
 from market_helpers import wait_all_free  # tests/market_helpers.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -42,6 +43,23 @@ def test_iid_clients_reach_the_target_accuracy(ray_local, tmp_path, algorithm):
     assert summary["steps"] < 80  # stopped on the target
     rows = read_jsonl(tmp_path / algorithm / "metrics.jsonl")
     assert all(r["participants"] == 5 and r["dropped"] == 0 for r in rows)
+
+
+def test_the_clients_of_a_users_table_are_its_client_column_and_the_run_says_so(ray_local, tmp_path, capfd):
+    """A Parquet table with a string client column: 8 clients whatever ``clients``' default,
+    their rows read by the client actors themselves, the server's held-out rows from each."""
+    folder = write_clients(tmp_path / "table", clients=8, alpha=None)
+    conf = make(tmp_path, "table", f"data.path={folder}", "data.label=digit", "data.client_column=site",
+                "clients_per_round=4", "target_accuracy=0.85", "driver.max_steps=80")
+    run = drive(FederatedWorkload(conf), conf.driver)
+    assert run.summary["state"] == "finished" and run.summary["final_metrics"]["accuracy"] >= 0.85, run.summary
+    data = next(e for e in run.events if e["event"] == "federated_data")
+    assert data["clients"] == 8 and data["classes"] == 10 and len(data["features"]) == 64
+    assert data["held_out"] + data["train_rows"] == 1797 and data["held_out"] == conf.source().table.held_out(0.2)
+    assert "federated: 8 clients (site: 'site-00', 'site-01', 'site-02', 'site-03', 'site-04', ...), 10 classes" in capfd.readouterr().err
+    rows = run.metrics
+    assert all(r["participants"] == 4 and set(r["clients"]) <= set(range(8)) for r in rows)
+    assert len({k for r in rows for k in r["clients"]}) == 8  # every client took part at some point
 
 
 def test_fedprox_beats_fedavg_when_half_the_clients_are_stragglers_on_skewed_data(ray_local, tmp_path):

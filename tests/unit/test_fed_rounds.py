@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from raylane import config as cfg
-from raylane.actors.fed_client import ClientConfig, ClientCore, load_digits_split, make_model
+from raylane.actors.fed_client import ClientConfig, ClientCore, make_model
+from raylane.actors.fed_data import FedSource, load_digits_split
 from raylane.actors.fed_math import aggregate, drops_out, is_straggler, partition, proximal_term, sample_clients
 from raylane.jobs.federated import FederatedConfig
 
@@ -93,7 +94,7 @@ def test_bad_federated_configs_are_refused_before_ray_starts(overrides, message)
 def _rounds(seed: int, algorithm: str, rounds: int = 30) -> float:
     """``rounds`` of 5 of 20 clients with label skew (alpha 0.1) and half the clients
     stragglers (a quarter of their steps), as the job runs them; test accuracy."""
-    core = ClientCore(ClientConfig(20, 0.1, seed))
+    core = ClientCore(ClientConfig(FedSource(seed, 0.2, 20, 0.1)))
     _, _, tx, ty = load_digits_split(seed, 0.2)
     model = make_model(64, 64, 10, seed)
     w = {k: v.numpy().copy() for k, v in model.state_dict().items()}
