@@ -15,11 +15,11 @@ interleaved over repeats. Build that environment once with::
 
 and run::
 
-    python benchmarks/federated.py [--rounds 40] [--target 0.8] [--repeats 2] [--no-flower]
+    python benchmarks/federated.py [--rounds 100] [--target 0.7] [--repeats 2] [--no-flower]
 
 Printed per side and algorithm: rounds to the target accuracy, the median wall time of a
 round (local training, gathering, aggregation and evaluation), start-up, and the final
-accuracy; then FedProx's rounds against FedAvg's and raylane's round time against
+accuracy (repeat r uses seed + r on both sides); then FedProx's rounds against FedAvg's and raylane's round time against
 Flower's. Both sides give the clients the same CPUs (``--actors`` x ``--client-cpus``).
 """
 
@@ -150,8 +150,8 @@ def report(results: dict[tuple[str, str], list[dict]], target: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--target", type=float, default=0.8)
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--target", type=float, default=0.7)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--per-round", type=int, default=5)
@@ -177,8 +177,10 @@ def main() -> None:
         sys.exit(f"no Flower environment at {args.flower_python}: build it with `python benchmarks/federated.py --setup-flower`, "
                  "or give --flower-python, or run with --no-flower")
     results: dict[tuple[str, str], list[dict]] = {}
+    seed0 = args.seed
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
+            args.seed = seed0 + rep  # each repeat another split, stragglers and dropouts; both sides the same
             for algorithm in ("fedprox", "fedavg"):
                 sides = ("raylane", "flower") if rep % 2 == 0 else ("flower", "raylane")
                 for side in sides:
