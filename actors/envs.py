@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-VECTOR_BACKENDS = ("sync", "async")
+VECTOR_BACKENDS = ("sync", "async", "envpool")
 """``sync``: gymnasium's SyncVectorEnv, every copy stepped in the worker's process (best
 for cheap envs: no inter-process hop). ``async``: gymnasium's AsyncVectorEnv, one
-subprocess per copy (for envs whose step costs milliseconds; give the worker the CPUs)."""
+subprocess per copy (for envs whose step costs milliseconds; give the worker the CPUs).
+``envpool``: envpool's C++ envs, every copy stepped in one call (only the ids envpool
+ships, no wrappers; an optional extra)."""
 
 
 class EnvBuildError(ValueError):
@@ -69,6 +71,11 @@ def make_vector_env(recipe: EnvRecipe | str, num_envs: int, backend: str = "sync
 
     if isinstance(recipe, str):
         recipe = EnvRecipe(recipe)
+    if backend == "envpool":
+        from raylane.actors.envpool_env import EnvpoolVectorEnv, check
+
+        check(recipe.env_id, recipe.kwargs, recipe.wrappers)
+        return EnvpoolVectorEnv(recipe.env_id, num_envs, recipe.kwargs)
     fns = [lambda: build(recipe) for _ in range(num_envs)]
     if backend == "sync":
         return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)

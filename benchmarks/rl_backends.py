@@ -2,7 +2,8 @@
 of the same gymnasium backend with random actions (the ceiling without a policy or Ray).
 
 For each backend (``sync``: every env copy in the sampling process; ``async``: one
-subprocess per copy), in one process tree and one local Ray:
+subprocess per copy; ``envpool``: envpool's C++ envs, if installed), in one process tree
+and one local Ray:
 - bare loop: one vector env of WORKERS x ENVS copies stepped with random actions here;
 - bare loop + policy: raylane's own sampling code (policy inference included) in this process;
 - raylane: WORKERS rollout-worker actors of ENVS copies each, sampled through the task pool.
@@ -14,6 +15,7 @@ Each is timed for about ``--seconds`` after a warm-up, and the ratio raylane / b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 import ray
@@ -31,13 +33,22 @@ def timed(step, seconds: float) -> float:
 def bare(env_id: str, backend: str, n: int, seconds: float) -> float:
     from raylane.actors.envs import make_vector_env
 
-    env = make_vector_env(env_id, n, backend)
-    env.reset(seed=0)
-    env.action_space.seed(0)
+    if backend == "envpool":  # envpool itself (NEXT_STEP autoreset), without raylane's SAME_STEP adapter
+        import envpool
+        from gymnasium.vector.utils import batch_space
+
+        env = envpool.make_gymnasium(env_id, num_envs=n, seed=0)
+        space = batch_space(env.action_space, n)
+        env.reset()
+    else:
+        env = make_vector_env(env_id, n, backend)
+        space = env.action_space
+        env.reset(seed=0)
+    space.seed(0)
 
     def step() -> int:
         for _ in range(64):
-            env.step(env.action_space.sample())
+            env.step(space.sample())
         return 64 * n
 
     try:
@@ -86,11 +97,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--envs", type=int, default=8, help="env copies per worker")
-    ap.add_argument("--backends", default="sync,async")
+    ap.add_argument("--backends", default="sync,async,envpool", help="envpool is skipped when it is not installed")
     args = ap.parse_args()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     n = args.workers * args.envs
     for backend in args.backends.split(","):
+        if backend == "envpool" and importlib.util.find_spec("envpool") is None:
+            print('envpool: not installed (pip install "raylane[envpool]"), skipped')
+            continue
         b = bare(args.env, backend, n, args.seconds)
         p = bare_with_policy(args.env, backend, n, args.seconds)
         r = raylane(args.env, backend, args.workers, args.envs, args.seconds)

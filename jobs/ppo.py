@@ -55,9 +55,11 @@ class PPOConfig:
     (``package.module:NAME`` or ``path/to/file.py:NAME``): a callable env -> env, such as
     a gymnasium wrapper class (``gymnasium.wrappers:FlattenObservation``). A wrapper that
     needs arguments: write a function of your own that applies it."""
-    vector: Literal["sync", "async"] = "sync"
+    vector: Literal["sync", "async", "envpool"] = "sync"
     """How a worker steps its env copies: ``sync`` in its own process (cheap envs), ``async``
-    one subprocess per copy (envs whose step costs milliseconds; raise worker_cpus to match)."""
+    one subprocess per copy (envs whose step costs milliseconds; raise worker_cpus to match),
+    ``envpool`` envpool's C++ envs in one call (ids envpool ships; no wrappers; pip install
+    "raylane[envpool]")."""
     workers: int = cfg.field(2, ge=1)
     """Rollout worker actors."""
     max_workers: int = cfg.field(16, ge=1)
@@ -128,6 +130,11 @@ class PPOConfig:
     @property
     def make_id(self) -> str:
         """The id rollout workers pass to ``gym.make`` (``module:EnvId`` when one is needed)."""
+        if self.vector == "envpool":  # envpool's own ids, not gymnasium's registry
+            if self.env_module or ":" in self.env_id:
+                raise ValueError(f"vector=envpool makes only the envs envpool ships; env {self.env_id!r} of a module of "
+                                 "your own needs vector=sync or async")
+            return self.env_id
         return gym_envs.resolve(self.env_id, self.env_module)
 
 
@@ -140,11 +147,23 @@ def check_env(env_id: str | EnvRecipe, env_module: str | None = None) -> SpaceSp
         env.close()
 
 
+def envpool_spec(recipe: EnvRecipe) -> SpaceSpec:
+    """The spaces of an env envpool ships, made by envpool (it may have no gymnasium twin)."""
+    from raylane.actors.envpool_env import EnvpoolVectorEnv, check
+
+    check(recipe.env_id, recipe.kwargs, recipe.wrappers)
+    env = EnvpoolVectorEnv(recipe.env_id, 1, recipe.kwargs)
+    try:
+        return space_spec(*env.spaces())
+    finally:
+        env.close()
+
+
 def resolve(c: PPOConfig) -> tuple[EnvRecipe, NetConfig, SpaceSpec]:
     """The env recipe, the network and the spaces the config means, each tried here (an
     env made and wrapped, the user's network run on a batch) before any actor starts."""
     recipe = EnvRecipe(c.make_id, dict(c.env_kwargs), gym_envs.load_wrappers(c.wrappers), tuple(c.wrappers))
-    spec = check_env(recipe)
+    spec = check_env(recipe) if c.vector != "envpool" else envpool_spec(recipe)
     if c.policy is None:
         return recipe, NetConfig(tuple(c.hidden), c.activation), spec
     changed = [k for k, v in (("hidden", c.hidden != [64, 64]), ("activation", c.activation != "tanh")) if v]

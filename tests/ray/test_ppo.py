@@ -42,6 +42,17 @@ def test_ppo_solves_cartpole_within_a_step_budget(ray_local, tmp_path):
     assert len(seeds) == 2 and len(set(flat)) == len(flat) == 16  # every env copy seeded differently
 
 
+def test_ppo_solves_cartpole_on_the_envpool_backend(ray_local, tmp_path):
+    """envpool's C++ CartPole, its episodes reset in the step that ended them by raylane's
+    adapter: the same learning as gymnasium's backends (a wrong bootstrap would stall it)."""
+    pytest.importorskip("envpool")  # in the test extra
+    workload, driver = make(tmp_path, "envpool", vector="envpool", total_env_steps=150_000)
+    summary = driver.run()
+    assert summary["state"] == "finished"
+    final = summary["final_metrics"]
+    assert final["return_mean"] >= 475.0 and final["env_steps"] < 150_000, final
+
+
 def test_pendulum_trains_and_its_return_improves(ray_local, tmp_path):
     workload, driver = make(
         tmp_path, "pendulum", env_id="Pendulum-v1", total_env_steps=80_000, target_return=None, normalize_obs=True,
