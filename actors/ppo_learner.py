@@ -206,9 +206,9 @@ class Learner:
         self.rms.load(state["obs_rms"])
 
 
-@ray.remote
-class LearnerActor:
-    """A :class:`Learner` in an actor; see the module docstring for what it holds."""
+class LearnerHost:
+    """A :class:`Learner` in an actor (:data:`LearnerActor`); see the module docstring
+    for what it holds. Plain, so that other learners can share its methods."""
 
     def __init__(self, cfg: LearnerConfig):
         torch.set_num_threads(1)
@@ -234,3 +234,6 @@ class LearnerActor:
     def load_state(self, state: dict) -> int:
         self.learner.load_state(state)
         return self.learner.version
+
+
+LearnerActor = ray.remote(LearnerHost)

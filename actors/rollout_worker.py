@@ -8,6 +8,7 @@ first call.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,9 @@ class RolloutConfig:
     """The policy network (built-in MLPs, or the user's factory)."""
     vector: str = "sync"
     """Vector-env backend: see :data:`raylane.actors.envs.VECTOR_BACKENDS`."""
+    step_delay_s: float = 0.0
+    """Seconds every vector step sleeps: an emulated slow node for tests and benchmarks
+    (see ``impala``'s ``emulate_step_s``); 0 in real runs."""
 
 
 class Sampler:
@@ -79,6 +83,8 @@ class Sampler:
         term, trunc = (np.zeros((num_steps, n), dtype=bool) for _ in range(2))
         final_val = np.zeros((num_steps, n), dtype=np.float32)  # V(final obs) where an episode ended
         returns, lengths = [], []
+        final_idx: list[tuple[int, int]] = []
+        final_obs: list[np.ndarray] = []
         low = np.asarray(spec.act_low, dtype=np.float32) if not spec.discrete else None
         high = np.asarray(spec.act_high, dtype=np.float32) if not spec.discrete else None
         for t in range(num_steps):
@@ -89,23 +95,35 @@ class Sampler:
             act[t], logp[t], val[t] = a, lp, v
             step_a = act[t] if spec.discrete else np.clip(act[t], low, high)
             self.obs, r, te, tr, info = self.env.step(step_a)
+            if self.cfg.step_delay_s > 0:
+                time.sleep(self.cfg.step_delay_s)
             rew[t], term[t], trunc[t] = r, te, tr
             self.ep_return += r
             self.ep_length += 1
             done = te | tr
             if done.any():
                 finals = np.stack([info["final_obs"][i] if done[i] else self.obs[i] for i in range(n)]).reshape(n, -1)
-                final_val[t] = self.policy.value(self._flat(finals)) * done
+                flat_finals = self._flat(finals)
+                final_val[t] = self.policy.value(flat_finals) * done
+                for i in np.flatnonzero(done):
+                    final_idx.append((t, int(i)))
+                    final_obs.append(flat_finals[i])
                 for i in np.flatnonzero(done):
                     returns.append(float(self.ep_return[i]))
                     lengths.append(int(self.ep_length[i]))
                 self.ep_return[done] = 0.0
                 self.ep_length[done] = 0
-        last_val = self.policy.value(self._flat(self.obs))
+        last_obs = self._flat(self.obs)
+        last_val = self.policy.value(last_obs)
         return {
             "obs": obs_tnd, "raw_obs": raw_tnd, "actions": act, "logp": logp, "values": val, "rewards": rew,
             "terminated": term, "truncated": trunc, "final_values": final_val, "last_values": last_val,
             "episode_returns": returns, "episode_lengths": lengths, "version": self.version, "seeds": self.seeds,
+            # Where episodes ended ([k, 2] of (t, env)), their final observations and the
+            # observations after the last step: a learner that re-evaluates values with
+            # its own network (V-trace) bootstraps from these.
+            "final_idx": np.asarray(final_idx, dtype=np.int64).reshape(-1, 2),
+            "final_obs": np.asarray(final_obs, dtype=np.float32).reshape(-1, spec.obs_dim), "last_obs": last_obs,
         }
 
 

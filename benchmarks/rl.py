@@ -36,7 +36,7 @@ def ceiling_env_only(steps: int) -> float:
 def ceiling_with_policy(steps: int) -> float:
     """The same rollout code raylane's workers run, in this process, one vector env of all the envs."""
     from raylane.actors.rollout_worker import RolloutConfig, Sampler
-    from raylane.jobs.ppo import check_env
+    from raylane.jobs.rl_env import check_env
 
     s = Sampler(RolloutConfig("CartPole-v1", WORKERS * ENVS, 0, check_env("CartPole-v1")))
     s.sample(32)
@@ -51,7 +51,7 @@ def raylane_sampling(steps: int) -> float:
     """The rollout-worker actors, sampled through raylane's pool."""
     from raylane.actors.ppo_learner import Learner, LearnerConfig
     from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
-    from raylane.jobs.ppo import check_env
+    from raylane.jobs.rl_env import check_env
     from raylane.placement import RoleSpec
     from raylane.group import TaskPool
 

@@ -59,7 +59,7 @@ def bare(env_id: str, backend: str, n: int, seconds: float) -> float:
 
 def bare_with_policy(env_id: str, backend: str, n: int, seconds: float) -> float:
     from raylane.actors.rollout_worker import RolloutConfig, Sampler
-    from raylane.jobs.ppo import check_env
+    from raylane.jobs.rl_env import check_env
 
     s = Sampler(RolloutConfig(env_id, n, 0, check_env(env_id), vector=backend))
     try:
@@ -72,7 +72,7 @@ def raylane(env_id: str, backend: str, workers: int, envs: int, seconds: float) 
     from raylane.actors.ppo_learner import Learner, LearnerConfig
     from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
     from raylane.group import TaskPool
-    from raylane.jobs.ppo import check_env
+    from raylane.jobs.rl_env import check_env
     from raylane.placement import RoleSpec
 
     spec = check_env(env_id)

@@ -10,7 +10,8 @@ import pytest
 from raylane.actors.envs import EnvBuildError, EnvRecipe, make_vector_env
 from raylane.actors.rollout_worker import RolloutConfig, Sampler
 from raylane.config import ConfigError, load_config
-from raylane.jobs.ppo import PPOConfig, PPOWorkload, envpool_spec
+from raylane.jobs.ppo import PPOConfig, PPOWorkload
+from raylane.jobs.rl_env import envpool_spec
 
 pytest.importorskip("envpool")  # in the test extra; a bare install need not have it
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

@@ -13,7 +13,8 @@ from raylane.actors.policy import ACTIVATIONS, ActorCritic, NumpyPolicy, TorchPo
 from raylane.actors.ppo_learner import Learner, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, Sampler
 from raylane.config import ConfigError, load_config
-from raylane.jobs.ppo import PPOConfig, resolve
+from raylane.jobs.ppo import PPOConfig
+from raylane.jobs.rl_env import resolve
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -32,7 +33,7 @@ def conf(user: str, *overrides: str) -> PPOConfig:
 def test_the_workers_numpy_network_computes_what_the_learners_torch_network_does(activation):
     """The workers act with a numpy copy of the network (fast); for each activation its
     actions' log-probabilities and values are the torch network's, to float32 rounding."""
-    from raylane.jobs.ppo import check_env
+    from raylane.jobs.rl_env import check_env
 
     spec = check_env("CartPole-v1")
     torch.manual_seed(0)
@@ -120,7 +121,7 @@ def test_a_factory_with_the_builtin_networks_settings_says_they_would_be_ignored
 
 def test_the_async_backend_steps_the_same_episodes_as_the_sync_one():
     """One subprocess per env copy, same seeds and policy: the very same samples."""
-    from raylane.jobs.ppo import check_env
+    from raylane.jobs.rl_env import check_env
 
     spec = check_env("CartPole-v1")
     sync = Sampler(RolloutConfig(EnvRecipe("CartPole-v1"), 3, 7, spec, vector="sync"))

@@ -12,7 +12,8 @@ from raylane.actors.policy import ActorCritic, SpaceSpec, UnsupportedSpaceError
 from raylane.actors.ppo_learner import Learner, LearnerConfig, gae, ppo_loss
 from raylane.actors.rollout_worker import RolloutConfig, Sampler
 from raylane.checkpoint import CheckpointStore
-from raylane.jobs.ppo import PPOConfig, check_env
+from raylane.jobs.ppo import PPOConfig
+from raylane.jobs.rl_env import check_env
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

@@ -1,0 +1,98 @@
+"""What every RL job shares: the env, its vector backend and the network, given by the
+user and each tried before any actor starts (:func:`resolve`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from raylane import config as cfg
+from raylane import imports
+from raylane.actors.envs import EnvRecipe
+from raylane.actors.policy import NetConfig, PolicyFactoryError, SpaceSpec, check_factory, space_spec
+from raylane.jobs import gym_envs
+
+
+@dataclass
+class RLEnvConfig:
+    """The env and the network of an RL job (the base of ``ppo`` and ``impala``)."""
+
+    env_id: str = "CartPole-v1"
+    """Gymnasium environment id (Box observations; Discrete or Box actions). An env of a plugin
+    package or of your own module is ``module:EnvId`` (e.g. ``ale_py:ALE/Pong-v5``)."""
+    env_module: str | None = None
+    """A module to import before making the env, in the driver and every rollout worker
+    (the same as writing ``module:EnvId``)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``gym.make``: the env's own (``env_kwargs.size=5``) or
+    gymnasium's (``env_kwargs.max_episode_steps=200``)."""
+    wrappers: list[str] = field(default_factory=list)
+    """Wrappers applied in order to every env copy, each by import path
+    (``package.module:NAME`` or ``path/to/file.py:NAME``): a callable env -> env, such as
+    a gymnasium wrapper class (``gymnasium.wrappers:FlattenObservation``). A wrapper that
+    needs arguments: write a function of your own that applies it."""
+    vector: Literal["sync", "async", "envpool"] = "sync"
+    """How a worker steps its env copies: ``sync`` in its own process (cheap envs), ``async``
+    one subprocess per copy (envs whose step costs milliseconds; raise worker_cpus to match),
+    ``envpool`` envpool's C++ envs in one call (ids envpool ships; no wrappers; pip install
+    "raylane[envpool]")."""
+    hidden: list[int] = cfg.field(default_factory=lambda: [64, 64], ge=1)
+    """Hidden layer sizes of the built-in policy and value networks."""
+    activation: Literal["tanh", "relu", "elu", "silu"] = "tanh"
+    """Activation of the built-in networks."""
+    policy: str | None = None
+    """Your own network, by import path of a factory: ``factory(spec) -> nn.Module`` whose
+    ``forward(obs [B, obs_dim])`` returns ``(out [B, act_dim], value [B])`` (out: action
+    logits for Discrete actions, the action mean for Box). ``spec`` has obs_dim, act_dim,
+    discrete. It replaces the built-in networks, so hidden and activation are then refused."""
+
+    @property
+    def make_id(self) -> str:
+        """The id rollout workers pass to ``gym.make`` (``module:EnvId`` when one is needed)."""
+        if self.vector == "envpool":  # envpool's own ids, not gymnasium's registry
+            if self.env_module or ":" in self.env_id:
+                raise ValueError(f"vector=envpool makes only the envs envpool ships; env {self.env_id!r} of a module of "
+                                 "your own needs vector=sync or async")
+            return self.env_id
+        return gym_envs.resolve(self.env_id, self.env_module)
+
+
+def check_env(env_id: str | EnvRecipe, env_module: str | None = None) -> SpaceSpec:
+    """The env's space description; a clear error for an unknown id or unsupported spaces."""
+    env = gym_envs.make(env_id if isinstance(env_id, EnvRecipe) else gym_envs.resolve(env_id, env_module))
+    try:
+        return space_spec(env.observation_space, env.action_space)
+    finally:
+        env.close()
+
+
+def envpool_spec(recipe: EnvRecipe) -> SpaceSpec:
+    """The spaces of an env envpool ships, made by envpool (it may have no gymnasium twin)."""
+    from raylane.actors.envpool_env import EnvpoolVectorEnv, check
+
+    check(recipe.env_id, recipe.kwargs, recipe.wrappers)
+    env = EnvpoolVectorEnv(recipe.env_id, 1, recipe.kwargs)
+    try:
+        return space_spec(*env.spaces())
+    finally:
+        env.close()
+
+
+def resolve(c: RLEnvConfig) -> tuple[EnvRecipe, NetConfig, SpaceSpec]:
+    """The env recipe, the network and the spaces the config means, each tried here (an
+    env made and wrapped, the user's network run on a batch) before any actor starts."""
+    recipe = EnvRecipe(c.make_id, dict(c.env_kwargs), gym_envs.load_wrappers(c.wrappers), tuple(c.wrappers))
+    spec = check_env(recipe) if c.vector != "envpool" else envpool_spec(recipe)
+    if c.policy is None:
+        return recipe, NetConfig(tuple(c.hidden), c.activation), spec
+    changed = [k for k, v in (("hidden", c.hidden != [64, 64]), ("activation", c.activation != "tanh")) if v]
+    if changed:
+        raise ValueError(f"policy={c.policy!r} builds the whole network, so {' and '.join(changed)} would be ignored; "
+                         "drop them or let your factory read its own settings")
+    try:
+        factory = imports.load_callable(c.policy, "policy", "factory(spec) -> nn.Module")
+    except imports.ImportPathError as exc:
+        raise PolicyFactoryError(str(exc)) from None
+    net = NetConfig(tuple(c.hidden), c.activation, factory, c.policy)
+    check_factory(spec, net)
+    return recipe, net, spec
