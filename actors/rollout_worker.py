@@ -17,6 +17,22 @@ import torch
 
 from raylane.actors.envs import EnvRecipe, make_vector_env
 from raylane.actors.policy import NetConfig, RunningMeanStd, SpaceSpec, acting_policy, build_net
+from raylane.cluster import MARKET_LABEL, SPEED_LABEL
+
+
+def node_speed_market(labels: dict[str, str]) -> tuple[float, str]:
+    """A node's relative speed and market from its labels (1.0 and on-demand without)."""
+    try:
+        speed = float(labels.get(SPEED_LABEL, 1.0))
+    except ValueError:
+        speed = 1.0
+    return (speed if speed > 0 else 1.0), labels.get(MARKET_LABEL, "on-demand")
+
+
+def this_node() -> tuple[str, float, str]:
+    """The id, speed and market of the node the calling actor runs on."""
+    ctx = ray.get_runtime_context()
+    return (ctx.get_node_id(), *node_speed_market(ctx.get_node_labels() or {}))
 
 
 @dataclass(frozen=True)
@@ -35,17 +51,18 @@ class RolloutConfig:
     """The policy network (built-in MLPs, or the user's factory)."""
     vector: str = "sync"
     """Vector-env backend: see :data:`raylane.actors.envs.VECTOR_BACKENDS`."""
-    step_delay_s: float = 0.0
-    """Seconds every vector step sleeps: an emulated slow node for tests and benchmarks
-    (see ``impala``'s ``emulate_step_s``); 0 in real runs."""
+    emulate_step_s: float = 0.0
+    """Emulated slow nodes, for tests and benchmarks only: every vector step sleeps
+    ``emulate_step_s / speed`` (the node's ``raylane.io/speed`` label). 0 (off) in real runs."""
 
 
 class Sampler:
     """Steps a vector env with a policy; the part of a rollout worker that needs no Ray."""
 
-    def __init__(self, cfg: RolloutConfig):
+    def __init__(self, cfg: RolloutConfig, step_delay_s: float = 0.0):
         torch.set_num_threads(1)
         self.cfg = cfg
+        self.step_delay_s = step_delay_s  # see RolloutConfig.emulate_step_s
         self.env = make_vector_env(cfg.env, cfg.num_envs, cfg.vector)
         self.seeds = [cfg.seed + i for i in range(cfg.num_envs)]
         self.obs, _ = self.env.reset(seed=self.seeds)
@@ -95,8 +112,8 @@ class Sampler:
             act[t], logp[t], val[t] = a, lp, v
             step_a = act[t] if spec.discrete else np.clip(act[t], low, high)
             self.obs, r, te, tr, info = self.env.step(step_a)
-            if self.cfg.step_delay_s > 0:
-                time.sleep(self.cfg.step_delay_s)
+            if self.step_delay_s > 0:
+                time.sleep(self.step_delay_s)
             rew[t], term[t], trunc[t] = r, te, tr
             self.ep_return += r
             self.ep_length += 1
@@ -133,7 +150,8 @@ class RolloutWorker:
     object-store reference, fetched once per node), so a new worker needs no set-up call."""
 
     def __init__(self, cfg: RolloutConfig):
-        self.sampler = Sampler(cfg)
+        _, speed, _ = this_node()
+        self.sampler = Sampler(cfg, cfg.emulate_step_s / speed)
 
     def set_weights(self, weights: dict) -> int:
         self.sampler.set_weights(weights)

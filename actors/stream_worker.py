@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import ray
 
-from raylane.actors.rollout_worker import RolloutConfig, Sampler
-from raylane.cluster import MARKET_LABEL, SPEED_LABEL
+from raylane.actors.rollout_worker import RolloutConfig, Sampler, this_node
 
 
 @dataclass(frozen=True)
@@ -36,25 +35,12 @@ class StreamConfig:
     envs_by_speed: bool = True
     """Scale the env copies by the node's ``raylane.io/speed`` label (at least 1):
     faster nodes step more copies per fragment."""
-    emulate_step_s: float = 0.0
-    """Emulated slow nodes, for tests and benchmarks only: every vector step sleeps
-    ``emulate_step_s / speed``. 0 (off) in real runs."""
-
-
-def node_speed_market(labels: dict[str, str]) -> tuple[float, str]:
-    """A node's relative speed and market from its labels (1.0 and on-demand without)."""
-    try:
-        speed = float(labels.get(SPEED_LABEL, 1.0))
-    except ValueError:
-        speed = 1.0
-    return (speed if speed > 0 else 1.0), labels.get(MARKET_LABEL, "on-demand")
 
 
 def fitted(cfg: StreamConfig, speed: float) -> RolloutConfig:
     """The rollout config a worker on a node of ``speed`` runs."""
     n = max(1, round(cfg.rollout.num_envs * speed)) if cfg.envs_by_speed else cfg.rollout.num_envs
-    delay = cfg.emulate_step_s / speed if cfg.emulate_step_s > 0 else 0.0
-    return dataclasses.replace(cfg.rollout, num_envs=n, step_delay_s=delay)
+    return dataclasses.replace(cfg.rollout, num_envs=n)
 
 
 @ray.remote
@@ -62,11 +48,9 @@ class StreamWorker:
     """A :class:`Sampler` that hands back fragments; see the module docstring."""
 
     def __init__(self, cfg: StreamConfig):
-        ctx = ray.get_runtime_context()
-        self.node_id = ctx.get_node_id()
-        self.speed, self.market = node_speed_market(ctx.get_node_labels() or {})
+        self.node_id, self.speed, self.market = this_node()
         self.cfg = cfg
-        self.sampler = Sampler(fitted(cfg, self.speed))
+        self.sampler = Sampler(fitted(cfg, self.speed), cfg.rollout.emulate_step_s / self.speed)
         self._loaded: bytes | None = None
 
     def fragment(self, weights_box: list) -> dict:

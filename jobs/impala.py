@@ -33,11 +33,10 @@ from raylane.actors.vtrace import split_stale
 from raylane.driver import Context, DriverConfig
 from raylane.group import Gang, Membership, PoolError, TaskPool
 from raylane.jobs.ppo import RETURN_WINDOW, plot_returns
-from raylane.jobs.rl_env import RLEnvConfig, resolve
+from raylane.jobs.rl_env import RLEnvConfig, announce_emulation, resolve
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.registry import JobSpec
-from raylane.runlog import say
 from raylane.workload import BaseWorkload
 
 WORKERS, LEARNER = "rollout_worker", "learner"
@@ -105,9 +104,6 @@ class ImpalaConfig(RLEnvConfig):
     """Multiply rewards by this before V-trace."""
     fragment_timeout_s: float = cfg.field(60.0, gt=0)
     """Longest the learner waits for enough fragments (every worker gone, none back): then the step fails."""
-    emulate_step_s: float = cfg.field(0.0, ge=0)
-    """Tests and benchmarks only: every env step of a worker sleeps emulate_step_s / speed
-    (its node's raylane.io/speed label), so one machine shows what slow nodes do. 0: off."""
     seed: int = 0
     """Base seed: worker k seeds its env copies with seed + 1000 * (k + 1) + i."""
     plot: bool = True
@@ -160,8 +156,8 @@ class ImpalaWorkload(BaseWorkload):
 
     def _worker_args(self, key: int) -> tuple[tuple, dict]:
         c = self.config
-        rc = RolloutConfig(self.recipe, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, self.net, c.vector)
-        return (StreamConfig(rc, c.fragment_length, c.envs_by_speed, c.emulate_step_s),), {}
+        rc = RolloutConfig(self.recipe, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, self.net, c.vector, c.emulate_step_s)
+        return (StreamConfig(rc, c.fragment_length, c.envs_by_speed),), {}
 
     def setup(self, ctx: Context) -> None:
         c = self.config
@@ -172,9 +168,7 @@ class ImpalaWorkload(BaseWorkload):
         size = max(1, min(c.workers, ctx.count(WORKERS)))
         self.workers = TaskPool(roles[WORKERS], StreamWorker, actor_args=self._worker_args, size=size,
                                 call_timeout_s=c.fragment_timeout_s, on_timeout="retry", queue_depth=2)
-        if c.emulate_step_s > 0:
-            ctx.log.event("emulated_slow_nodes", emulate_step_s=c.emulate_step_s)
-            say(f"emulate_step_s={c.emulate_step_s:g}: env steps sleep by node speed (a test setting; 0 in real runs)")
+        announce_emulation(ctx, c.emulate_step_s)
         self.learner.form(timeout_s=180)
         self.workers.wait_ready(timeout_s=180)
         self._publish(self._learner_call("weights"))

@@ -23,7 +23,7 @@ from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
-from raylane.jobs.rl_env import RLEnvConfig, resolve
+from raylane.jobs.rl_env import RLEnvConfig, announce_emulation, resolve
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.group import Gang, Membership, PoolError, TaskPool
@@ -138,7 +138,7 @@ class PPOWorkload(BaseWorkload):
         c = self.config
         # Each worker (and each replacement: keys are never reused) gets its own seed
         # range, so no two env copies in a run share a seed.
-        rc = RolloutConfig(self.recipe, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, self.net, c.vector)
+        rc = RolloutConfig(self.recipe, c.envs_per_worker, c.seed + 1000 * (key + 1), self.spec, self.net, c.vector, c.emulate_step_s)
         return (rc,), {}
 
     def setup(self, ctx: Context) -> None:
@@ -146,6 +146,7 @@ class PPOWorkload(BaseWorkload):
         self._ctx = ctx
         roles = {r.name: r for r in self.roles()}
         lc = self._learner_config()
+        announce_emulation(ctx, c.emulate_step_s)
         self.learner = Gang(roles[LEARNER], LearnerActor, actor_args=lambda key: ((lc,), {}), size=1, rank_name="learner", start_timeout_s=180)
         size = max(1, min(c.workers, ctx.count(WORKERS)))
         self.workers = TaskPool(roles[WORKERS], RolloutWorker, actor_args=self._worker_args, size=size, call_timeout_s=c.sample_timeout_s, on_timeout="retry")

@@ -11,6 +11,7 @@ from raylane import imports
 from raylane.actors.envs import EnvRecipe
 from raylane.actors.policy import NetConfig, PolicyFactoryError, SpaceSpec, check_factory, space_spec
 from raylane.jobs import gym_envs
+from raylane.runlog import say
 
 
 @dataclass
@@ -45,6 +46,10 @@ class RLEnvConfig:
     ``forward(obs [B, obs_dim])`` returns ``(out [B, act_dim], value [B])`` (out: action
     logits for Discrete actions, the action mean for Box). ``spec`` has obs_dim, act_dim,
     discrete. It replaces the built-in networks, so hidden and activation are then refused."""
+    emulate_step_s: float = cfg.field(0.0, ge=0)
+    """Tests and benchmarks only: every env step of a rollout worker sleeps
+    emulate_step_s / speed (its node's raylane.io/speed label), so one machine shows what
+    slow nodes do. 0 (off) in real runs; a run with it on says so."""
 
     @property
     def make_id(self) -> str:
@@ -55,6 +60,14 @@ class RLEnvConfig:
                                  "your own needs vector=sync or async")
             return self.env_id
         return gym_envs.resolve(self.env_id, self.env_module)
+
+
+def announce_emulation(ctx: Any, emulate_step_s: float) -> None:
+    """Say on the terminal and in events.jsonl that env steps are being slowed on purpose."""
+    if emulate_step_s > 0:
+        ctx.log.event("emulated_slow_nodes", emulate_step_s=emulate_step_s)
+        say(f"emulate_step_s={emulate_step_s:g}: rollout workers sleep emulate_step_s / node speed per env step "
+            "(emulated slow nodes, a test setting; 0 in real runs)")
 
 
 def check_env(env_id: str | EnvRecipe, env_module: str | None = None) -> SpaceSpec:
