@@ -7,6 +7,7 @@ settings (lr 3e-4, 6 epochs, vf_loss_coeff 0.01, one hidden layer of 32, linear,
 shared value layers). Needs `pip install "ray[rllib]"` for the RLlib part.
 
     python benchmarks/rl.py [--cap-s 600] [--skip-rllib]
+    python benchmarks/rl.py --async [--emulate 0.002]   # the asynchronous part: benchmarks/rl_async.py
 """
 
 from __future__ import annotations
@@ -117,7 +118,15 @@ def main() -> None:
     ap.add_argument("--cap-s", type=float, default=600.0, help="wall-time cap per solve run")
     ap.add_argument("--sample-steps", type=int, default=200_000)
     ap.add_argument("--skip-rllib", action="store_true")
+    ap.add_argument("--async", dest="run_async", action="store_true", help="the asynchronous part instead (impala, ppo, RLlib APPO; the slow-node cluster)")
+    ap.add_argument("--emulate", type=float, default=0.002, help="--async: emulated seconds per env step on a speed-1 node")
     args = ap.parse_args()
+    if args.run_async:
+        import rl_async  # benchmarks/rl_async.py, beside this file
+
+        rl_async.local_part(args.cap_s, args.skip_rllib)
+        rl_async.cluster_part(args.cap_s, args.emulate)
+        return
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 
     env_only = ceiling_env_only(args.sample_steps)
