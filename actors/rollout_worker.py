@@ -93,7 +93,9 @@ class Sampler:
         """``num_steps`` steps of every env copy: arrays shaped [T, N, ...] plus finished episodes."""
         spec, n = self.cfg.spec, self.cfg.num_envs
         obs_tnd = np.zeros((num_steps, n, spec.obs_dim), dtype=np.float32)
-        raw_tnd = np.zeros((num_steps, n, spec.obs_dim), dtype=np.float32)
+        norm = self.normalize
+        # Without normalisation the raw observations are the observations: one array, one copy per step.
+        raw_tnd = np.zeros((num_steps, n, spec.obs_dim), dtype=np.float32) if norm else obs_tnd
         act_shape = (num_steps, n) if spec.discrete else (num_steps, n, spec.act_dim)
         act = np.zeros(act_shape, dtype=np.int64 if spec.discrete else np.float32)
         logp, val, rew = (np.zeros((num_steps, n), dtype=np.float32) for _ in range(3))
@@ -105,10 +107,12 @@ class Sampler:
         low = np.asarray(spec.act_low, dtype=np.float32) if not spec.discrete else None
         high = np.asarray(spec.act_high, dtype=np.float32) if not spec.discrete else None
         for t in range(num_steps):
-            raw = self.obs.reshape(n, -1).astype(np.float32)
-            o = self.rms.normalize(raw) if self.normalize else raw
+            raw = self.obs.reshape(n, -1).astype(np.float32, copy=False)
+            o = self.rms.normalize(raw) if norm else raw
             a, lp, v = self.policy.act(o)
-            obs_tnd[t], raw_tnd[t] = o, raw
+            obs_tnd[t] = o
+            if norm:
+                raw_tnd[t] = raw
             act[t], logp[t], val[t] = a, lp, v
             step_a = act[t] if spec.discrete else np.clip(act[t], low, high)
             self.obs, r, te, tr, info = self.env.step(step_a)

@@ -6,7 +6,9 @@ subprocess per copy; ``envpool``: envpool's C++ envs, if installed), in one proc
 and one local Ray:
 - bare loop: one vector env of WORKERS x ENVS copies stepped with random actions here;
 - bare loop + policy: raylane's own sampling code (policy inference included) in this process;
-- raylane: WORKERS rollout-worker actors of ENVS copies each, sampled through the task pool.
+- raylane: WORKERS rollout-worker actors of ENVS copies each, sampled through the task pool,
+  as ``ppo`` calls them (one call per worker, all gathered) and as ``impala`` streams them
+  (two calls held by every worker, fragments taken as they come).
 Each is timed for about ``--seconds`` after a warm-up, and the ratio raylane / bare is printed.
 
     python benchmarks/rl_backends.py [--env CartPole-v1] [--seconds 8] [--workers 2] [--envs 8]
@@ -91,6 +93,37 @@ def raylane(env_id: str, backend: str, workers: int, envs: int, seconds: float) 
         pool.shutdown()
 
 
+def raylane_stream(env_id: str, backend: str, workers: int, envs: int, seconds: float) -> float:
+    """``impala``'s streaming workers: two fragment calls held by every worker, so a worker
+    starts its next fragment the moment it hands one back (no round trip between)."""
+    from raylane.actors.ppo_learner import Learner, LearnerConfig
+    from raylane.actors.rollout_worker import RolloutConfig
+    from raylane.actors.stream_worker import StreamConfig, StreamWorker
+    from raylane.group import TaskPool
+    from raylane.jobs.rl_env import check_env
+    from raylane.placement import RoleSpec
+
+    spec = check_env(env_id)
+    box = [ray.put(Learner(LearnerConfig(spec=spec)).weights())]
+    pool = TaskPool(RoleSpec("w", {"CPU": 0.5}, count=workers), StreamWorker, queue_depth=2,
+                    actor_args=lambda k: ((StreamConfig(RolloutConfig(env_id, envs, 1000 * k, spec, vector=backend), 256),), {}))
+    pool.wait_ready(120)
+    inflight: set[int] = set()
+
+    def step() -> int:
+        while len(inflight) < 2 * workers:
+            inflight.add(pool.submit("fragment", box))
+        pool.poll(0.05)
+        done = [t for t in inflight if pool.finished(t)]
+        inflight.difference_update(done)
+        return sum(f["rewards"].size for f in pool.gather(done, timeout_s=0).values())
+
+    try:
+        return timed(step, seconds)
+    finally:
+        pool.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--env", default="CartPole-v1")
@@ -108,9 +141,10 @@ def main() -> None:
         b = bare(args.env, backend, n, args.seconds)
         p = bare_with_policy(args.env, backend, n, args.seconds)
         r = raylane(args.env, backend, args.workers, args.envs, args.seconds)
+        st = raylane_stream(args.env, backend, args.workers, args.envs, args.seconds)
         print(f"{backend:5s} {args.env}: bare loop {b:,.0f} steps/s; bare loop + policy {p:,.0f}; "
-              f"raylane {args.workers} workers x {args.envs} envs {r:,.0f}")
-        print(f"      raylane / bare = {r / b:.2f}; raylane / (bare + policy) = {r / p:.2f}")
+              f"raylane {args.workers} workers x {args.envs} envs: ppo's calls {r:,.0f}, impala's stream {st:,.0f}")
+        print(f"      raylane / bare = ppo {r / b:.2f}, impala {st / b:.2f}; raylane / (bare + policy) = ppo {r / p:.2f}, impala {st / p:.2f}")
     ray.shutdown()
 
 
