@@ -302,6 +302,22 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     return cfg
 
 
+def check_value(cls: type, key: str, value: Any) -> Any:
+    """The value dotted ``key`` of ``cls`` takes from ``value`` (coerced, its field's bounds
+    checked; the class' own ``validate`` hook is not run). ConfigError names the key (with
+    a did-you-mean for an unknown one) and the value."""
+    nested: dict[str, Any] = {}
+    node = nested
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    obj: Any = _build(cls, nested, "")
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def to_dict(cfg: Any) -> Any:
     """Plain nested dict/list/scalars (tuples become lists), safe for yaml.safe_dump and json."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
