@@ -189,8 +189,11 @@ class ImpalaWorkload(BaseWorkload):
         """Two calls held by every live worker, while the learner queue has room for what
         they will bring (so no fragment is sampled only to be pushed out of the queue)."""
         assert self.workers is not None
-        want = 2 * len(self.workers.actors())
-        while len(self._inflight) < want and len(self._queue) + len(self._inflight) < self.config.queue_depth:
+        live = len(self.workers.actors())
+        # every worker holds at least one call even when the queue is shallow (no idle worker
+        # however many there are); the second only while the queue has room for it
+        room = max(self.config.queue_depth, live)
+        while len(self._inflight) < 2 * live and len(self._queue) + len(self._inflight) < room:
             self._inflight.add(self.workers.submit("fragment", self._box, retry=False))
 
     def _collect(self, wait_s: float) -> None:
@@ -199,8 +202,10 @@ class ImpalaWorkload(BaseWorkload):
         done = [t for t in self._inflight if self.workers.finished(t)]
         if not done:
             return
-        got = self.workers.gather(done, timeout_s=0.0, partial=True, refs=True)
-        self._inflight.difference_update(done)
+        try:
+            got = self.workers.gather(done, timeout_s=0.0, partial=True, refs=True)
+        finally:  # a ticket gathered (or failed) never counts as in flight again
+            self._inflight.difference_update(done)
         self.lost_fragments += len(done) - len(got)
         for t in sorted(got):
             frag, ref = got[t]
@@ -234,6 +239,9 @@ class ImpalaWorkload(BaseWorkload):
                 batch = [self._queue.popleft() for _ in range(c.fragments_per_update)]
                 self._staleness.update(self.version - int(f["version"]) for f, _ in batch)
                 return batch, time.monotonic() - t0
+            if not self.workers.actors():  # every worker lost: wait for the pool's replacements, not for fragments
+                self.workers.wait_for(1, timeout_s=c.fragment_timeout_s)
+                deadline = time.monotonic() + c.fragment_timeout_s
             if time.monotonic() >= deadline:
                 raise PoolError(f"the learner got {len(self._queue)} of {c.fragments_per_update} fragments in "
                                 f"fragment_timeout_s={c.fragment_timeout_s:g} s (live workers: {len(self.workers.actors())})")
@@ -277,7 +285,8 @@ class ImpalaWorkload(BaseWorkload):
         nums = [k for k, n in used.items() for _ in range(n)]
         if step % 10 == 0:
             self._log_sampling(elapsed)
-        stats = {k: float(np.mean([r[k] for r in stats_rows])) for k in stats_rows[-1] if k != "applied"}
+        keys = dict.fromkeys(k for r in stats_rows for k in r if k != "applied")  # a refused (NaN) update has fewer keys
+        stats = {k: float(np.mean([r.get(k, np.nan) for r in stats_rows])) for k in keys}
         return {
             "env_steps": self.env_steps,
             "env_steps_per_s": sum(n["step_steps"] for n in self._nodes.values()) / max(elapsed, 1e-9),

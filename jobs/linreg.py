@@ -64,6 +64,7 @@ class LinRegWorkload(BaseWorkload):
     name = "linreg"
     main_metric = "loss"
     guarded_metrics = ("loss",)
+    metrics = ("loss", "weight_error", "workers")
 
     def __init__(self, config: LinRegConfig):
         self.config = config

@@ -260,6 +260,32 @@ class CheckpointStore:
         """
         return self._newest(load=True)
 
+    def adopt(self, src: str, fs: pafs.FileSystem | None = None) -> int:
+        """Make the checkpoint folder ``src`` (on ``fs``, default local) this store's only
+        checkpoint and return its step: a trial restored by Ray Tune continues from the copy
+        Tune hands back, which may come from another trial (population-based training).
+        Only the manifest and the files it lists are copied; their hashes are checked when
+        the checkpoint loads, as for any other."""
+        fs = fs or pafs.LocalFileSystem()
+        try:
+            with fs.open_input_stream(f"{src}/{MANIFEST}", compression=None) as f:
+                m = json.loads(f.read())
+            step, names = m["step"], list(m["files"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{src}: no readable {MANIFEST} ({type(exc).__name__}: {exc}); not a raylane checkpoint") from None
+        if type(step) is not int or step < 0 or any("/" in n or "\\" in n for n in names):
+            raise CheckpointError(f"{src}/{MANIFEST}: unexpected content (step {step!r}); not a raylane checkpoint")
+        for old in self._scan():
+            self.fs.delete_dir(self._dir(old))
+        self._hashed.clear()
+        self._loadable.clear()
+        d = self._dir(step)
+        self.fs.create_dir(d, recursive=True)
+        for name in names + [MANIFEST]:
+            with fs.open_input_stream(f"{src}/{name}", compression=None) as f:
+                self._write(f"{d}/{name}", f.read())
+        return step
+
     def save(self, step: int, state: dict) -> CheckpointInfo:
         """Write ``state`` as checkpoint ``step`` (replacing any folder of that step), then prune."""
         self._require(step, exists=False)

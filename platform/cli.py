@@ -154,8 +154,9 @@ def _end(code: int) -> None:
 from raylane import cli_control  # noqa: E402 - the commands that talk to a running job
 
 cli_control.register(app)
-from raylane import cli_submit, devcluster  # noqa: E402 - Ray Jobs API commands; the local dev cluster
+from raylane import cli_submit, cli_tune, devcluster  # noqa: E402 - Ray Jobs API commands; searches; the local dev cluster
 cli_submit.register(app)
+cli_tune.register(app)
 devcluster.register(app)
 
 

@@ -81,10 +81,13 @@ class Driver:
         poll_events: bool = True,
         cluster_source: Callable[[], ClusterView] | None = None,
         event_source: Any = None,
+        observer: Any = None,
     ):
         """``cluster_source`` gives cluster snapshots and ``event_source`` (an object with
         ``poll() -> list[Event]``) node events; by default both read Ray. Tests of the
-        state machine pass their own to run without Ray."""
+        state machine pass their own to run without Ray. ``observer`` (``checkpointed(step,
+        path)``, ``stepped(step, metrics)``) hears of each checkpoint and step; a Tune trial reports through it."""
+        self._observer = observer
         self.workload = workload
         self._cluster_source = cluster_source or ClusterView.from_ray
         self.config = config
@@ -174,9 +177,7 @@ class Driver:
         runlog = RunLog(self.run_dir, tensorboard=self.config.tensorboard)
         unwatch = session.watch_embedded(lambda why: self._on_ray_gone(why, started, runlog),
                                          signalled=lambda: self._signals is not None and self._signals.stop_reason() is not None)
-        uri = self.config.checkpoint_uri
-        store_uri = str(self.run_dir / "checkpoints") if uri is None else f"{uri.rstrip('/')}/{self.run_name}"
-        store = CheckpointStore(store_uri, keep=self.config.keep_checkpoints)
+        store = CheckpointStore(self.config.store_uri(self.run_dir), keep=self.config.keep_checkpoints)
         shown = tuple(getattr(self.workload, "progress_metrics", None) or (self.workload.main_metric,))
         progress = Progress(self.config.progress, shown, self.workload.name)
         error: BaseException | None = None
@@ -211,6 +212,8 @@ class Driver:
                         self._checkpoint(final=True)
                         self._finish()
                         self._to(State.FINISHED, "workload reached its target")
+                    if self._observer is not None:
+                        self._observer.stepped(self.step, metrics)
                 except (NonFiniteError, DriverError, KeyboardInterrupt):
                     raise
                 except Exception as exc:  # noqa: BLE001 - every other failure goes through the policy
@@ -335,10 +338,12 @@ class Driver:
         if not save:
             return
         t0 = time.time()
-        self._ctx.store.save(self.step, {"workload": self.workload.state_dict(), "driver": {"step": self.step, "run": self.run_name}})
+        info = self._ctx.store.save(self.step, {"workload": self.workload.state_dict(), "driver": {"step": self.step, "run": self.run_name}})
         self._last_ckpt_step, self._last_ckpt_time = self.step, time.time()
         self.checkpoints_written += 1
         self._ctx.log.event("checkpoint", step=self.step, reason=why, seconds=time.time() - t0)
+        if self._observer is not None:
+            self._observer.checkpointed(self.step, info.path)
 
     def _recover(self, exc: BaseException) -> None:
         """RECOVERING: let the failure policy decide; rebuild and reload until it works or

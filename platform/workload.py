@@ -83,6 +83,11 @@ class DriverConfig:
         if self.run_name is not None:
             check_run_name(self.run_name, "run_name")
 
+    def store_uri(self, run_dir: Any) -> str:
+        """Where this run's checkpoints go (see ``checkpoint_uri``)."""
+        uri = self.checkpoint_uri
+        return str(Path(run_dir) / "checkpoints") if uri is None else f"{uri.rstrip('/')}/{Path(run_dir).name}"
+
     def check_paths(self) -> None:
         """Make and write to the run and checkpoint folders (before Ray starts): a folder
         that cannot be written is a one-line error, not a failure after the actors are up."""
@@ -147,6 +152,10 @@ class BaseWorkload:
     main_metric: str = "loss"
     guarded_metrics: tuple[str, ...] = ()
     """Metrics that must stay finite; a NaN or infinity stops the run naming the metric."""
+
+    metrics: tuple[str, ...] = ()
+    """The numbers every step reports (empty: not declared). ``raylane tune --metric`` is
+    checked against them before Ray starts; undeclared, at the trial's first step."""
 
     progress_metrics: tuple[str, ...] = ()
     """Metrics shown beside the progress bar (empty: the main metric)."""

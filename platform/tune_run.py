@@ -1,0 +1,284 @@
+"""``raylane tune JOB``: many raylane runs of one job as Ray Tune trials.
+
+Ray Tune is the engine: its searcher samples the space, its schedulers (ASHA, PBT) stop
+and exploit trials, its failure handling restarts a trial whose process was lost from the
+trial's newest checkpoint. Each trial is a whole raylane run (:mod:`raylane.tune_trial`).
+
+:func:`prepare` checks everything that can be checked before Ray starts: the job, the
+fixed values, the search space against the job's config, the metric against what the
+job reports, the scheduler's needs, and (for the embedded Ray) that the concurrency fits
+this machine. :func:`search` then runs Tune and returns the trials' rows.
+
+Placement: a trial's own process (its raylane driver) takes ``trial_cpus`` CPUs in a
+Tune placement group whose bundle refuses spot nodes (a label selector), so losing a spot
+node never loses a trial's driver. The trial's actors are not in that group: raylane's
+placement puts them by market and speed, as in a single run, and its pools replace those
+lost with a spot node. A group's bundle is pinned to the node Ray picked when the group
+formed, which is what a spot-aware plan must avoid. The share of each trial is kept by
+admission instead: ``concurrency`` trials' minimum roles must fit the cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from raylane import config as cfg
+from raylane.tune_space import SearchSpaceError, Spec, check_space, trial_count
+
+SCHEDULERS = ("none", "asha", "pbt")
+_MAX = re.compile(r"(acc|auc|return|reward|score|f1|precision|recall|per_s|throughput)", re.I)
+_MIN = re.compile(r"(loss|error|rmse|mae|logloss|perplexity|regret|_s$)", re.I)
+
+
+@dataclass
+class Search:
+    """One search: the job, what is fixed, what is searched, and how."""
+
+    job: str
+    """Registered job name, path/to/file.py:NAME or package.module:NAME."""
+    space: dict[str, Spec]
+    """Searched keys and their specs."""
+    overrides: list[str] = field(default_factory=list)
+    """``key=value`` fixed for every trial."""
+    config_file: str | None = None
+    """YAML of fixed values."""
+    metric: str | None = None
+    """Metric to optimise; default: the job's main metric."""
+    mode: str | None = None
+    """``max`` or ``min``; default: from the metric's name (return, accuracy, auc: max; loss, error: min)."""
+    trials: int = 4
+    """Samples of the space (each grid point is tried this many times)."""
+    concurrency: int = 2
+    """Trials running at once."""
+    scheduler: str = "none"
+    """``none``, ``asha`` (early stopping) or ``pbt`` (population-based training)."""
+    name: str = "tune"
+    """The search's folder under ``runs_dir``."""
+    runs_dir: str = "runs"
+    """Folder of the search's folder."""
+    max_failures: int = 3
+    """Restarts of one trial (from its newest checkpoint) before it is an error."""
+    trial_cpus: float = 0.5
+    """CPUs held by each trial's driver process (its actors are placed by raylane)."""
+    grace_steps: int = 2
+    """ASHA: steps every trial runs before it may be stopped."""
+    perturbation_interval: int = 0
+    """PBT: steps between exploits; 0: the job's ``driver.checkpoint_every_steps``."""
+    seed: int | None = None
+    """Seed of Tune's sampling (and PBT's mutations)."""
+
+
+@dataclass
+class Prepared:
+    """A search checked before Ray starts."""
+
+    search: Search
+    spec: Any
+    base: Any
+    metric: str
+    mode: str
+    n_trials: int
+    roles: list
+    max_steps: int
+    notes: list[str] = field(default_factory=list)
+
+
+def metric_mode(metric: str) -> str | None:
+    """``max`` for returns, accuracies, AUCs, rates; ``min`` for losses and errors; None when the name says neither."""
+    if _MAX.search(metric):
+        return "max"
+    return "min" if _MIN.search(metric) else None
+
+
+def prepare(search: Search) -> Prepared:
+    """Check the search before Ray starts; ``ConfigError`` / ``SearchSpaceError`` name what is wrong."""
+    from raylane import registry
+    from raylane.launch import build_workload
+
+    s = search
+    if s.scheduler not in SCHEDULERS:
+        raise SearchSpaceError(f"--scheduler {s.scheduler!r}: valid: {', '.join(SCHEDULERS)}")
+    for name, value, low in (("--trials", s.trials, 1), ("--concurrency", s.concurrency, 1), ("--max-failures", s.max_failures, 0),
+                             ("--grace-steps", s.grace_steps, 1), ("--perturbation-interval", s.perturbation_interval, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise SearchSpaceError(f"{name}={value!r}: must be a whole number >= {low}")
+    if not (isinstance(s.trial_cpus, (int, float)) and 0 < s.trial_cpus <= 64):
+        raise SearchSpaceError(f"--trial-cpus={s.trial_cpus!r}: must be a number in (0, 64]")
+    spec = registry.get(s.job)
+    base = cfg.load_config(spec.config_cls, yaml_path=s.config_file, overrides=s.overrides)
+    fixed = {cfg.parse_override(o)[0] for o in s.overrides}
+    check_space(spec.config_cls, s.space, base=fixed)
+    if not hasattr(base, "driver"):
+        raise SearchSpaceError(f"job {spec.name!r}: its config has no driver section; raylane tune runs jobs whose config has driver: DriverConfig")
+    workload = build_workload(spec, base)  # reads the job's input: a bad dataset or env fails here, once
+    try:
+        metric = s.metric or workload.main_metric
+        declared = tuple(getattr(workload, "metrics", ()) or ())
+        if declared and metric not in declared:
+            raise SearchSpaceError(f"--metric {metric!r}: job {spec.name!r} does not report it; it reports {', '.join(declared)}")
+        mode = s.mode or metric_mode(metric)
+        if mode not in ("max", "min"):
+            raise SearchSpaceError(f"--mode {s.mode!r}: give max or min" if s.mode else
+                                   f"--metric {metric!r}: its name does not say whether higher is better; give --mode max or --mode min")
+        roles = list(workload.roles())
+    finally:
+        workload.close()
+    notes = []
+    if s.scheduler == "pbt":
+        if grid := [k for k, v in s.space.items() if v.kind == "grid"]:
+            raise SearchSpaceError(f"--scheduler pbt mutates values, and grid() has none to mutate to ({', '.join(grid)}); use choice([...])")
+        interval = s.perturbation_interval or base.driver.checkpoint_every_steps
+        if interval < 1:
+            raise SearchSpaceError("--scheduler pbt needs checkpoints: set --perturbation-interval or driver.checkpoint_every_steps >= 1")
+        if base.driver.checkpoint_every_steps != interval:
+            notes.append(f"pbt: trials checkpoint every {interval} steps (driver.checkpoint_every_steps was {base.driver.checkpoint_every_steps}), "
+                         "so each exploit copies the donor's state of that step")
+            base.driver.checkpoint_every_steps = interval
+            s.overrides = [o for o in s.overrides if not o.startswith("driver.checkpoint_every_steps=")] + [f"driver.checkpoint_every_steps={interval}"]
+        s.perturbation_interval = interval
+    if s.metric is None:
+        notes.append(f"metric: {metric} ({mode}), the job's main metric")
+    elif s.mode is None:
+        notes.append(f"mode: {mode} (from the metric's name {metric!r}; --mode changes it)")
+    n = trial_count(s.space, s.trials)
+    return Prepared(s, spec, base, metric, mode, n, roles, base.driver.max_steps, notes)
+
+
+def trial_demand(prep: Prepared) -> dict[str, float]:
+    """What one trial needs at least: its driver and each role's minimum count."""
+    need = {"CPU": float(prep.search.trial_cpus)}
+    for role in prep.roles:
+        for res, amount in role.resources.items():
+            need[res] = need.get(res, 0.0) + float(amount) * max(1, int(getattr(role, "min_count", 1) or 1))
+    return need
+
+
+def check_concurrency(prep: Prepared, totals: Mapping[str, float], where: str) -> None:
+    """Refuse a concurrency the cluster could never hold, naming the missing resources."""
+    per = trial_demand(prep)
+    k = min(prep.search.concurrency, prep.n_trials)
+    missing = {r: k * a - float(totals.get(r, 0.0)) for r, a in per.items() if k * a > float(totals.get(r, 0.0)) + 1e-9}
+    if missing:
+        fits = min((math.floor((float(totals.get(r, 0.0)) + 1e-9) / a) for r, a in per.items() if a > 0), default=0)
+        raise SearchSpaceError(
+            f"--concurrency {prep.search.concurrency}: {k} trials of {prep.spec.name} need "
+            + ", ".join(f"{r} {k * a:g}" for r, a in per.items())
+            + f" (each: its driver's {prep.search.trial_cpus:g} CPU and its roles' minimum), but {where} has "
+            + ", ".join(f"{r} {float(totals.get(r, 0.0)):g}" for r in per)
+            + "; missing " + ", ".join(f"{r} {m:g}" for r, m in missing.items())
+            + f". At most {max(fits, 0)} fit: lower --concurrency, --trial-cpus or the job's worker counts")
+
+
+def local_totals() -> dict[str, float]:
+    """What an embedded Ray of this machine will have: its CPUs (Ray counts them the same way), no GPU unless torch sees one."""
+    totals = {"CPU": float(os.cpu_count() or 1)}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            totals["GPU"] = float(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - without torch there is no GPU for raylane
+        pass
+    return totals
+
+
+def search_folder(search: Search) -> Path:
+    return Path(search.runs_dir).resolve() / search.name
+
+
+def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) -> Any:
+    """Run the search on the Ray this process is connected to, else on ``address`` (None: an
+    embedded Ray of this machine). Returns Tune's ``ResultGrid``; the trials' rows are
+    :func:`raylane.tune_results.rows` of it."""
+    import ray
+    from ray import tune
+    from ray.tune import schedulers
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    from raylane import session
+    from raylane.cluster import MARKET_LABEL
+    from raylane.tune_trial import RaylaneTrial, TrialPlan
+
+    s = prep.search
+    folder = search_folder(s)
+    if folder.exists() and any(folder.iterdir()):
+        raise SearchSpaceError(f"search folder {folder} already exists; choose another --name (or delete it)")
+    if not ray.is_initialized():
+        if address in (None, "", "local"):
+            check_concurrency(prep, local_totals(), "this machine")
+        session.connect(address)
+    check_concurrency(prep, ray.cluster_resources(), "the cluster")
+    for note in prep.notes:
+        say(note)
+    plan = TrialPlan(job=s.job, overrides=tuple(s.overrides), config_file=None if s.config_file is None else str(Path(s.config_file).resolve()),
+                     runs_root=str(folder / "trials"), metric=prep.metric)
+    # the trial's own process never on spot: a label selector on its one bundle ("!spot" also takes unlabelled nodes)
+    resources = tune.PlacementGroupFactory([{"CPU": s.trial_cpus}], bundle_label_selector=[{MARKET_LABEL: "!spot"}])
+    trainable = tune.with_resources(tune.with_parameters(RaylaneTrial, plan=plan), resources)
+    space = {k: v.to_tune() for k, v in s.space.items()}
+    scheduler: Any = None
+    if s.scheduler == "asha":
+        scheduler = schedulers.ASHAScheduler(time_attr="training_iteration", max_t=prep.max_steps, grace_period=min(s.grace_steps, prep.max_steps),
+                                                  reduction_factor=2)
+    elif s.scheduler == "pbt":
+        scheduler = schedulers.PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=s.perturbation_interval,
+                                                            hyperparam_mutations=dict(space))
+    tracker = _Tracker(prep.metric)
+    tuner = tune.Tuner(
+        trainable, param_space=space,
+        tune_config=tune.TuneConfig(metric=prep.metric, mode=prep.mode, num_samples=s.trials, scheduler=scheduler, reuse_actors=False,
+                                    search_alg=BasicVariantGenerator(max_concurrent=s.concurrency, random_state=s.seed)),
+        run_config=tune.RunConfig(name=s.name, storage_path=str(folder.parent), verbose=0, callbacks=[tracker],
+                                  failure_config=tune.FailureConfig(max_failures=s.max_failures),
+                                  # PBT copies donors' checkpoints of its own choosing: all are kept there
+                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=None if s.scheduler == "pbt" else 2)),
+    )
+    say(f"tune {prep.spec.name}: {prep.n_trials} trials, {s.concurrency} at a time, scheduler {s.scheduler}, {prep.metric} ({prep.mode}); folder {folder}")
+    grid = tuner.fit()
+    grid.raylane_recoveries = dict(tracker.recovered)  # type: ignore[attr-defined]
+    return grid
+
+
+class _Tracker:
+    """A Tune callback that says each trial's end and counts the restarts of each trial."""
+
+    def __new__(cls, metric: str) -> Any:
+        from ray import tune
+
+        from raylane.runlog import say  # a module function: Tune pickles its callbacks
+
+        class Tracker(tune.Callback):
+            def __init__(self) -> None:
+                self.recovered: dict[str, int] = {}
+
+            def on_trial_recover(self, iteration, trials, trial, **info):  # noqa: ANN001 - Tune's signature
+                self.recovered[trial.trial_id] = self.recovered.get(trial.trial_id, 0) + 1
+                say(f"trial {trial.trial_id}: its process was lost; Tune restarts it from its newest raylane checkpoint")
+
+            def on_trial_complete(self, iteration, trials, trial, **info):  # noqa: ANN001
+                last = trial.last_result or {}
+                say(f"trial {trial.trial_id}: ended after {last.get('step', '?')} steps; {metric}={last.get(metric, '?')}")
+
+            def on_trial_error(self, iteration, trials, trial, **info):  # noqa: ANN001
+                say(f"trial {trial.trial_id}: failed after {trial.num_failures} restarts (see its folder)")
+
+        return Tracker()
+
+
+def tune(search: Search, *, address: str | None = None, say: Any = print) -> tuple[Prepared, list[dict], dict[str, Path]]:
+    """Check, run and tabulate a search: (the checked search, its rows best first, the files
+    written: ``trials.csv``, ``trials.json``, the plot). Each row is
+    :func:`raylane.tune_results.trial_row`; its ``state`` is ``error`` for a trial Tune gave up on."""
+    from raylane import tune_results
+
+    prep = prepare(search)
+    grid = run_search(prep, address=address, say=say)
+    states = {r.metrics.get("trial_id"): "error" for r in grid if r.error is not None and r.metrics}
+    folder = search_folder(prep.search)
+    table = tune_results.rows(folder / "trials", prep.metric, prep.mode, states)
+    return prep, table, tune_results.write(folder, table, prep.metric)

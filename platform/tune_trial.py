@@ -1,0 +1,214 @@
+"""One Ray Tune trial is one raylane run.
+
+Each trial builds the job's config from the search's fixed values and the trial's
+sampled ones, and drives the job with raylane's own driver in the trial's process: its
+actors are planned by raylane's placement (stateful roles on on-demand capacity,
+stateless ones on spot, by node speed), its pools replace actors lost with a spot node,
+and its stateful actors are recovered from its checkpoints, all inside the trial.
+
+The driver tells :class:`TuneReporter` of every step and checkpoint: metrics go to Tune
+every step, and a raylane checkpoint written since the last step is handed to Tune with
+them, so Tune holds the trial's newest checkpoint. When Tune restarts the trial (its driver's
+process or node was lost, or population-based training exploits another trial) the
+trial's store adopts the checkpoint Tune hands back and the run resumes from it with the
+trial's config of now; both are events in the trial's ``events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ray.tune import Trainable
+
+ORIGIN = "raylane_origin.json"  # beside a checkpoint handed to Tune: which trial and step it is
+STOP_WAIT_S = 120.0  # how long a stopped trial waits for its run's last checkpoint and summary
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """What every trial of one search shares."""
+
+    job: str
+    """The job: a registered name, path/to/file.py:NAME or package.module:NAME."""
+    overrides: tuple[str, ...]
+    """``key=value`` values fixed for every trial (``--set``)."""
+    config_file: str | None
+    """YAML file of fixed values, or None."""
+    runs_root: str
+    """Folder of the trials' run folders (``<runs_root>/<trial id>/``)."""
+    metric: str
+    """The metric the search optimises; every step must report it."""
+
+
+def nest(values: Mapping[str, Any]) -> dict:
+    """``{"driver.max_steps": 5}`` -> ``{"driver": {"max_steps": 5}}``."""
+    out: dict = {}
+    for key, value in values.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The metrics Tune can store and compare: numbers, flags and short strings (lists and
+    tables stay in the run's metrics.jsonl)."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or (isinstance(v, str) and len(v) <= 200):
+            out[k] = v
+        elif isinstance(v, (int, float)) or type(v).__module__ == "numpy" and getattr(v, "ndim", 1) == 0:
+            out[k] = v.item() if hasattr(v, "item") else v
+    return out
+
+
+class TuneReporter:
+    """The driver's observer in a trial: hands each step's metrics to the trial's ``step``
+    and waits there until Tune asks for the next, so that Tune's decisions (stop, exploit)
+    land at the step boundary they were made for."""
+
+    def __init__(self, trial_id: str, metric: str, job: str):
+        self.trial_id, self.metric, self.job = trial_id, metric, job
+        self.rows: queue.Queue = queue.Queue()
+        self.go = threading.Semaphore(0)
+        self.latest: tuple[int, str] | None = None  # the newest checkpoint written: (step, path in the store)
+        self.fresh = False  # a checkpoint was written since the last row handed over
+        self.driver: Any = None
+        self.stopping = False
+
+    def checkpointed(self, step: int, path: str) -> None:
+        self.latest, self.fresh = (step, path), True
+
+    def stepped(self, step: int, metrics: Mapping[str, Any]) -> None:
+        from raylane.workload import DriverError
+
+        row = {**scalars(metrics), "step": step}
+        value = row.get(self.metric)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            have = sorted(k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+            raise DriverError(f"--metric {self.metric!r}: job {self.job!r} reports no such number each step; it reports {have}")
+        last = step >= self.driver.config.max_steps or self.driver.state.value == "finished"
+        self.last_row = row
+        if last:  # handed over once the run has ended (summary and final checkpoint written)
+            return
+        self.rows.put(("step", row))
+        self.go.acquire()  # until Tune asks for the next step, or stops the trial
+
+
+class RaylaneTrial(Trainable):
+    """Ray Tune's class trainable around one raylane run, driven in a thread of the trial's
+    process. ``step`` returns the driver's next step; a raylane checkpoint written since
+    the last step is handed to Tune with it (``should_checkpoint``: Tune calls
+    ``save_checkpoint``, which copies it); ``load_checkpoint`` adopts the checkpoint Tune
+    restores (the trial's own after a lost process, another trial's under PBT);
+    ``cleanup`` (Tune stopped the trial: ASHA, PBT's pause, the search's end) stops the run
+    at its step boundary with a checkpoint and waits for it."""
+
+    def setup(self, config: dict, plan: TrialPlan) -> None:
+        from raylane import config as cfg
+        from raylane import registry
+        from raylane.checkpoint import CheckpointStore
+
+        self.plan, self.values = plan, dict(config)
+        self.spec = registry.get(plan.job)
+        conf = cfg.load_config(self.spec.config_cls, data=nest(config), yaml_path=plan.config_file, overrides=list(plan.overrides))
+        conf.driver.run_name, conf.driver.runs_dir = self.trial_id, plan.runs_root
+        conf.driver.progress, conf.driver.resume = False, True
+        self.conf, self.run_dir = conf, Path(plan.runs_root) / self.trial_id
+        self.store = CheckpointStore(conf.driver.store_uri(self.run_dir), keep=conf.driver.keep_checkpoints)
+        self.reporter = TuneReporter(self.trial_id, plan.metric, self.spec.name)
+        self.restored: dict | None = None
+        self.thread: threading.Thread | None = None
+        self.outcome: dict = {}
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        try:
+            origin = json.loads((Path(checkpoint_dir) / ORIGIN).read_text())
+        except (OSError, ValueError):
+            origin = {}
+        step = self.store.adopt(checkpoint_dir)
+        self.restored = {"step": step, "donor": origin.get("trial", self.trial_id), "path": checkpoint_dir}
+
+    def _start(self) -> None:
+        from raylane import runconfig
+        from raylane.driver import Driver
+        from raylane.launch import build_workload
+        from raylane.runlog import RunLog
+
+        changes = runconfig.check_resume(self.spec.name, self.conf, self.run_dir, accept_changes=True)
+        workload = build_workload(self.spec, self.conf)
+        runconfig.write_record(self.spec.name, self.conf, self.run_dir)
+        log = RunLog(self.run_dir, tensorboard=False)
+        log.event("tune_trial", trial=self.trial_id, values=self.values, metric=self.plan.metric, pid=os.getpid(), node=_node_id())
+        if self.restored is not None:
+            kind = "tune_restore" if self.restored["donor"] == self.trial_id else "tune_exploit"
+            log.event(kind, **self.restored)
+        if changes:
+            log.event("config_changed", changes=[{"key": k, "run": a, "now": b} for k, a, b in changes])
+        log.close()
+        self.reporter.driver = Driver(workload, self.conf.driver, observer=self.reporter)
+        self.thread = threading.Thread(target=self._drive, name=f"raylane-trial-{self.trial_id}", daemon=True)
+        self.thread.start()
+
+    def _drive(self) -> None:
+        try:
+            self.outcome["summary"] = self.reporter.driver.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to step(), which raises it in Tune's thread
+            self.outcome["error"] = exc
+        finally:
+            self.reporter.rows.put(("end", None))
+
+    def step(self) -> dict:
+        from ray.tune.result import DONE, SHOULD_CHECKPOINT
+
+        r = self.reporter
+        if self.thread is None:
+            self._start()
+        else:
+            r.go.release()  # the driver may run its next step
+        while True:  # every wait inside the driver has its own deadline, and its thread always ends with "end"
+            try:
+                kind, row = r.rows.get(timeout=5.0)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive() and r.rows.empty():
+                    raise RuntimeError(f"trial {self.trial_id}: its driver thread ended without a word") from None
+        fresh, r.fresh = r.fresh, False
+        if kind == "step":
+            return {**row, SHOULD_CHECKPOINT: fresh}
+        self.thread.join(timeout=60)
+        if "error" in self.outcome:
+            raise self.outcome["error"]
+        return {**getattr(r, "last_row", {}), DONE: True, SHOULD_CHECKPOINT: r.latest is not None}
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict | None:
+        """The newest raylane checkpoint, copied whole, with a note of which trial and step it is."""
+        import pyarrow.fs as pafs
+
+        if self.reporter.latest is None:
+            return None
+        step, path = self.reporter.latest
+        pafs.copy_files(path, checkpoint_dir, source_filesystem=self.store.fs, destination_filesystem=pafs.LocalFileSystem())
+        (Path(checkpoint_dir) / ORIGIN).write_text(json.dumps({"trial": self.trial_id, "step": step}))
+        return None
+
+    def cleanup(self) -> None:
+        r = self.reporter
+        if self.thread is not None and self.thread.is_alive():
+            r.driver.request_stop("stopped by Ray Tune's scheduler")
+            r.go.release()
+            self.thread.join(timeout=STOP_WAIT_S)
+
+
+def _node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

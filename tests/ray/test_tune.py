@@ -1,0 +1,154 @@
+"""``raylane tune`` on one local Ray: a random search of linreg, an ASHA search of ppo,
+PBT on linreg exploiting a donor's checkpoint, and a trial whose driver process is
+SIGKILLed, restarted by Tune from its newest raylane checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from raylane.runlog import read_jsonl
+from raylane.tune_run import Search, tune
+from raylane.tune_space import parse_search
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+SMALL_LINREG = ["workers=1", "rows=4096", "driver.tensorboard=false", "driver.control=false"]
+
+
+@pytest.fixture(scope="module")
+def ray_tune():
+    """Logical CPUs above the machine's: two to four trials of one worker each at once."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _events(row, kind):
+    return [e for e in read_jsonl(os.path.join(row["run_dir"], "events.jsonl")) if e["event"] == kind]
+
+
+def test_random_search_of_linreg_reports_every_trial_and_the_best_command(ray_tune, tmp_path):
+    s = Search(job="linreg", space=parse_search(["lr=loguniform(0.02,0.5)", "noise=choice([0.05, 0.1])"]),
+               overrides=SMALL_LINREG + ["driver.max_steps=6"], trials=4, concurrency=2, runs_dir=str(tmp_path), name="rand", seed=3)
+    prep, rows, files = tune(s, say=lambda m: None)
+    assert (prep.metric, prep.mode) == ("loss", "min")
+    assert len(rows) == 4 and all(r["state"] == "finished" and r["steps"] == 6 for r in rows)
+    assert all(0.02 <= r["config/lr"] <= 0.5 and r["config/noise"] in (0.05, 0.1) for r in rows)
+    assert len({r["config/lr"] for r in rows}) == 4  # sampled, not one value four times
+    bests = [r["best_loss"] for r in rows]
+    assert bests == sorted(bests)  # best first
+    for r in rows:  # each trial is its own raylane run, with the values it was given
+        metrics = read_jsonl(os.path.join(r["run_dir"], "metrics.jsonl"))
+        assert [m["step"] for m in metrics] == list(range(1, 7))
+        assert min(m["loss"] for m in metrics) == pytest.approx(r["best_loss"])
+        assert _events(r, "tune_trial")[0]["values"] == {"lr": r["config/lr"], "noise": r["config/noise"]}
+    assert files["csv"].read_text().count("\n") == 5
+    assert files["png"].stat().st_size > 5_000
+    from raylane.tune_results import command_line
+
+    line = command_line("linreg", s.overrides, None, rows[0])
+    assert f"lr={rows[0]['config/lr']!r}" in line and line.startswith("raylane run linreg --set workers=1")
+
+
+def test_asha_stops_the_worse_trials_at_a_step_boundary(ray_tune, tmp_path):
+    # best first: the later, worse trials meet the better ones' records at ASHA's first rung
+    s = Search(job="linreg", space=parse_search(["lr=grid([0.45, 0.3, 0.05, 0.02])"]), overrides=SMALL_LINREG + ["driver.max_steps=8"],
+               trials=1, concurrency=2, scheduler="asha", grace_steps=1, runs_dir=str(tmp_path), name="asha", seed=0)
+    prep, rows, files = tune(s, say=lambda m: None)
+    assert len(rows) == 4 and [r["config/lr"] for r in rows] == [0.45, 0.3, 0.05, 0.02]
+    assert rows[0]["state"] == "finished" and rows[0]["steps"] == 8
+    stopped = [r for r in rows if r["state"] == "stopped"]
+    assert stopped and all(r["steps"] < 8 for r in stopped), rows
+    for r in stopped:  # stopped as a stop request stops a run: at a step boundary, with a checkpoint and a summary
+        assert _events(r, "checkpoint")[-1]["step"] == r["steps"]
+        assert "Ray Tune" in _events(r, "state")[-1]["reason"]
+
+
+def test_asha_search_of_ppo_finishes_with_the_best_trial_and_its_command(ray_tune, tmp_path):
+    s = Search(job="ppo", space=parse_search(["lr=loguniform(1e-4,3e-3)"]),
+               overrides=["workers=1", "envs_per_worker=4", "rollout_steps=32", "epochs=2", "target_return=null", "driver.max_steps=6",
+                          "driver.tensorboard=false", "driver.control=false", "worker_cpus=0.5"],
+               trials=4, concurrency=2, scheduler="asha", grace_steps=1, runs_dir=str(tmp_path), name="asha", seed=0)
+    prep, rows, files = tune(s, say=lambda m: None)
+    assert (prep.metric, prep.mode) == ("return_mean", "max")
+    assert len(rows) == 4 and all(r["state"] in ("finished", "stopped") for r in rows), rows
+    assert all(1 <= r["steps"] <= 6 for r in rows) and any(r["steps"] == 6 for r in rows)
+    assert rows[0]["best_return_mean"] == max(r["best_return_mean"] for r in rows)
+    for r in rows:  # every trial placed its learner and its worker as a single run does
+        plan = _events(r, "plan")[0]["assignments"]
+        assert {a["role"] for a in plan} == {"learner", "rollout_worker"}
+        assert [a["market"] for a in plan if a["role"] == "learner"] == ["on-demand"]
+    from raylane.tune_results import command_line
+
+    line = command_line("ppo", s.overrides, None, rows[0])
+    assert line.startswith("raylane run ppo --set workers=1") and f"lr={rows[0]['config/lr']!r}" in line
+
+
+def test_pbt_exploit_continues_from_the_donors_checkpoint(ray_tune, tmp_path):
+    s = Search(job="linreg", space=parse_search(["lr=uniform(0.01,0.45)"]), overrides=SMALL_LINREG + ["driver.max_steps=12"],
+               trials=4, concurrency=4, scheduler="pbt", perturbation_interval=2, runs_dir=str(tmp_path), name="pbt", seed=1)
+    prep, rows, files = tune(s, say=lambda m: None)
+    assert any("checkpoint every 2 steps" in n for n in prep.notes)
+    exploited = [r for r in rows if r["exploits"]]
+    assert exploited, rows
+    by_trial = {r["trial"]: r for r in rows}
+    for r in exploited:
+        ev = _events(r, "tune_exploit")[0]
+        donor, at = ev["donor"], ev["step"]
+        assert donor != r["trial"] and donor in by_trial and at >= 2
+        # the first step after the exploit continues from the donor's weights of step `at`:
+        # the donor's loss at `at` is where it starts, far below the exploited trial's own before
+        donor_loss = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(by_trial[donor]["run_dir"], "metrics.jsonl"))}
+        mine = read_jsonl(os.path.join(r["run_dir"], "metrics.jsonl"))
+        after = [m for m in mine if m["time"] > ev["time"]]
+        assert after and after[0]["step"] == at + 1
+        own_before = read_jsonl(os.path.join(r["run_dir"], "metrics.discarded.jsonl")) + [m for m in mine if m["time"] < ev["time"]]
+        own_at = [m["loss"] for m in own_before if m["step"] == at]
+        assert after[0]["loss"] <= donor_loss[at] * 1.01
+        if own_at:
+            assert after[0]["loss"] < own_at[-1]
+        assert _events(r, "config_changed") or _events(r, "tune_trial")[-1]["values"] != _events(r, "tune_trial")[0]["values"]
+
+
+def test_a_trial_whose_driver_is_sigkilled_is_restarted_from_its_newest_checkpoint(ray_tune, tmp_path):
+    s = Search(job="linreg", space=parse_search(["lr=choice([0.3])"]),
+               overrides=SMALL_LINREG + ["driver.max_steps=30", "driver.checkpoint_every_steps=5", "step_timeout_s=30"],
+               trials=1, concurrency=1, runs_dir=str(tmp_path), name="kill", max_failures=2)
+    killed = {}
+
+    def kill():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            for d in (tmp_path / "kill" / "trials").glob("*") if (tmp_path / "kill" / "trials").exists() else []:
+                ev = [e for e in read_jsonl(d / "events.jsonl") if e["event"] in ("tune_trial", "checkpoint")]
+                starts = [e for e in ev if e["event"] == "tune_trial"]
+                if starts and any(e["event"] == "checkpoint" and e["step"] >= 10 for e in ev):
+                    killed.update(pid=starts[-1]["pid"], step=max(e["step"] for e in ev if e["event"] == "checkpoint"))
+                    os.kill(starts[-1]["pid"], signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    # slow the steps down a little so the kill lands mid-run: more rows
+    s.overrides.append("rows=60000")
+    s.overrides.remove("rows=4096")
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    prep, rows, files = tune(s, say=lambda m: None)
+    t.join(5)
+    assert killed, "the trial's driver was never seen with a checkpoint"
+    (row,) = rows
+    assert row["state"] == "finished" and row["steps"] == 30
+    assert row["restarts"] == 1 and row["resumed_from"][0] >= killed["step"] >= 10  # not from scratch
+    starts = _events(row, "tune_trial")
+    assert len(starts) == 2 and starts[0]["pid"] == killed["pid"] != starts[1]["pid"]
+    steps = [m["step"] for m in read_jsonl(os.path.join(row["run_dir"], "metrics.jsonl"))]
+    assert steps == list(range(1, 31))  # one row per step: the replayed ones replaced
