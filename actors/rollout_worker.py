@@ -122,18 +122,17 @@ class Sampler:
             self.ep_return += r
             self.ep_length += 1
             done = te | tr
-            if done.any():
-                finals = np.stack([info["final_obs"][i] if done[i] else self.obs[i] for i in range(n)]).reshape(n, -1)
-                flat_finals = self._flat(finals)
-                final_val[t] = self.policy.value(flat_finals) * done
-                for i in np.flatnonzero(done):
-                    final_idx.append((t, int(i)))
-                    final_obs.append(flat_finals[i])
-                for i in np.flatnonzero(done):
-                    returns.append(float(self.ep_return[i]))
-                    lengths.append(int(self.ep_length[i]))
-                self.ep_return[done] = 0.0
-                self.ep_length[done] = 0
+            if done.any():  # only the copies that ended: their final observations and values
+                idx = np.flatnonzero(done)
+                fo = info["final_obs"]
+                flat_finals = self._flat(np.stack([fo[i] for i in idx]).reshape(len(idx), -1))
+                final_val[t, idx] = self.policy.value(flat_finals)
+                final_idx.extend((t, int(i)) for i in idx)
+                final_obs.extend(flat_finals)
+                returns.extend(self.ep_return[idx].tolist())
+                lengths.extend(self.ep_length[idx].tolist())
+                self.ep_return[idx] = 0.0
+                self.ep_length[idx] = 0
         last_obs = self._flat(self.obs)
         last_val = self.policy.value(last_obs)
         return {

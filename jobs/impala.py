@@ -8,7 +8,10 @@ instead of a sampling deadline), and ``ppo`` stays the synchronous reference.
 The loop: every live worker holds two ``fragment`` calls (the second waits in its own
 queue, so it samples without a pause); each call carries a reference to the newest
 weights. Finished fragments go into the learner queue (at most ``queue_depth``; when
-full, no new calls go out, and the oldest fragment gives way to a new one). An update
+full, no new calls go out beyond one per worker, and the oldest fragment gives way to a
+new one). The driver holds the fragments' object references and hands them to the
+learner's update; the task pool also fetches each result to the driver to account for
+it (env steps, returns, versions), so a fragment crosses the driver once. An update
 takes the ``fragments_per_update`` oldest fragments within ``max_staleness`` versions of
 the learner (older ones are dropped and counted), from whichever workers made them,
 and runs while the driver keeps collecting. A driver step is ``updates_per_step``
@@ -104,6 +107,8 @@ class ImpalaConfig(RLEnvConfig):
     """Multiply rewards by this before V-trace."""
     fragment_timeout_s: float = cfg.field(60.0, gt=0)
     """Longest the learner waits for enough fragments (every worker gone, none back): then the step fails."""
+    learner_timeout_s: float = cfg.field(300.0, gt=0)
+    """Longest one learner call (an update, weights, state) may take before the learner counts as lost and is replaced from the last checkpoint."""
     seed: int = 0
     """Base seed: worker k seeds its env copies with seed + 1000 * (k + 1) + i."""
     plot: bool = True
@@ -140,7 +145,7 @@ class ImpalaWorkload(BaseWorkload):
         self._ctx: Context | None = None
         self._nodes: dict[str, dict] = {}
         self._staleness: Counter[int] = Counter()
-        self._waited = 0.0
+        self._waited, self._last_elapsed = 0.0, 1.0
 
     def roles(self) -> list[RoleSpec]:
         c = self.config
@@ -177,7 +182,7 @@ class ImpalaWorkload(BaseWorkload):
         """The learner's answer; a lost learner raises ``GroupLost`` (only :meth:`recover`
         forms a new one, and the driver reloads the last checkpoint into it)."""
         assert self.learner is not None
-        return self.learner.call(method, *args, timeout_s=300, grace_s=0.0)[0]
+        return self.learner.call(method, *args, timeout_s=self.config.learner_timeout_s, grace_s=0.0)[0]
 
     def _publish(self, weights: dict) -> None:
         self.version = int(weights["version"])
@@ -255,7 +260,7 @@ class ImpalaWorkload(BaseWorkload):
         if not handles:
             return self._learner_call("weights")  # raises GroupLost naming the learner
         ref = handles[0].update_fragments.remote(progress, *[r for _, r in batch])
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + self.config.learner_timeout_s
         while not ray.wait([ref], timeout=0)[0] and time.monotonic() < deadline:
             self._top_up()
             self._collect(0.005)
@@ -279,7 +284,7 @@ class ImpalaWorkload(BaseWorkload):
             waits.append(waited)
             frag_s += [float(f["sample_s"]) for f, _ in batch]
             stats_rows.append(self._update(batch, min(1.0, self.env_steps / c.total_env_steps)))
-        elapsed = time.perf_counter() - t0
+        elapsed = self._last_elapsed = time.perf_counter() - t0
         self._waited = sum(waits) / max(elapsed, 1e-9)
         used = self._staleness - before
         nums = [k for k, n in used.items() for _ in range(n)]
@@ -327,7 +332,8 @@ class ImpalaWorkload(BaseWorkload):
     def state_dict(self) -> dict:
         return {"learner": self._learner_call("state"), "env_steps": self.env_steps, "episodes": self.episodes,
                 "returns": list(self.returns), "dropped_stale": self.dropped_stale, "lost_fragments": self.lost_fragments,
-                "staleness": {str(k): v for k, v in self._staleness.items()}}
+                "dropped_full": self.dropped_full, "staleness": {str(k): v for k, v in self._staleness.items()},
+                "nodes": {nid: {"speed": float(n["speed"]), "market": str(n["market"]), "steps": int(n["steps"])} for nid, n in self._nodes.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self._learner_call("load_state", state["learner"])
@@ -335,6 +341,8 @@ class ImpalaWorkload(BaseWorkload):
         self.returns = deque((float(x) for x in state["returns"]), maxlen=RETURN_WINDOW)
         self.dropped_stale, self.lost_fragments = int(state["dropped_stale"]), int(state["lost_fragments"])
         self._staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
+        self.dropped_full = int(state.get("dropped_full", 0))  # absent from checkpoints written before it was kept
+        self._nodes = {nid: {**n, "step_steps": 0} for nid, n in state.get("nodes", {}).items()}
         # Fragments made by policies of the abandoned line: their versions mean nothing now.
         if self.workers is not None and self._inflight:
             self.workers.cancel(self._inflight)
@@ -351,7 +359,7 @@ class ImpalaWorkload(BaseWorkload):
         self.workers.wait_for(1, timeout_s=180)  # not the full target: capacity may be gone
 
     def finish(self, ctx: Context) -> None:
-        self._log_sampling(1.0)
+        self._log_sampling(self._last_elapsed)
         if self.config.plot:
             plot_returns(ctx.run_dir, title="IMPALA" if self.config.loss == "vtrace" else "APPO")
 

@@ -154,7 +154,7 @@ def trial_demand(prep: Prepared) -> dict[str, float]:
     need = {"CPU": float(prep.search.trial_cpus)}
     for role in prep.roles:
         for res, amount in role.resources.items():
-            need[res] = need.get(res, 0.0) + float(amount) * max(1, int(getattr(role, "min_count", 1) or 1))
+            need[res] = need.get(res, 0.0) + float(amount) * role.lo
     return need
 
 
@@ -236,7 +236,7 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
         run_config=tune.RunConfig(name=s.name, storage_path=str(folder.parent), verbose=0, callbacks=[tracker],
                                   failure_config=tune.FailureConfig(max_failures=s.max_failures),
                                   # PBT copies donors' checkpoints of its own choosing: all are kept there
-                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=None if s.scheduler == "pbt" else 2)),
+                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=None if s.scheduler == "pbt" else 5)),
     )
     say(f"tune {prep.spec.name}: {prep.n_trials} trials, {s.concurrency} at a time, scheduler {s.scheduler}, {prep.metric} ({prep.mode}); folder {folder}")
     grid = tuner.fit()
