@@ -139,6 +139,7 @@ class FederatedWorkload(BaseWorkload):
     name = "federated"
     main_metric = "accuracy"
     guarded_metrics = ("loss",)
+    metrics = ("accuracy", "loss", "participants", "partial", "dropped", "lost", "late", "round_s", "actors")
     progress_metrics = ("accuracy", "participants")
 
     def __init__(self, config: FederatedConfig):

@@ -169,6 +169,8 @@ class GraphSAGEWorkload(BaseWorkload):
     name = "graphsage"
     main_metric = "test_acc"
     guarded_metrics = ("loss",)
+    # test_acc, val_acc, eval_s and epochs_done come with the evaluation at an epoch's end
+    metrics = ("test_acc", "val_acc", "eval_s", "epochs_done", "train_acc", "loss", "epoch", "batches", "seeds_per_s", "sample_wait_s", "train_s", "train_wait_s", "nodes_per_batch", "samplers", "step_s")
     progress_metrics = ("epoch", "loss", "val_acc", "seeds_per_s")
 
     def __init__(self, config: GraphSAGEConfig, graph: SharedGraph | None = None):

@@ -129,6 +129,7 @@ class ImpalaWorkload(BaseWorkload):
     name = "impala"
     main_metric = "return_mean"
     guarded_metrics = ("loss",)
+    metrics = ("return_mean", "env_steps", "env_steps_per_s", "updates_per_s", "episodes", "workers", "staleness_mean", "staleness_max", "dropped_stale", "dropped_full", "lost_fragments", "learner_wait_s", "learner_wait_max_s", "fragment_s_max", "loss", "policy_loss", "value_loss", "entropy", "rho_mean", "rho_clipped", "lr")
     progress_metrics = ("env_steps", "updates_per_s", "return_mean")
 
     def __init__(self, config: ImpalaConfig):

@@ -216,6 +216,7 @@ class PipelineLMWorkload(BaseWorkload):
     name = "pipeline_lm"
     main_metric = "loss"
     guarded_metrics = ("loss",)
+    metrics = ("loss", "tokens_per_s", "step_s", "stages", "replicas", "peak_activations", "bubble")
     progress_metrics = ("loss", "tokens_per_s")
 
     def __init__(self, config: PipelineLMConfig):

@@ -101,6 +101,7 @@ class PPOWorkload(BaseWorkload):
     name = "ppo"
     main_metric = "return_mean"
     guarded_metrics = ("loss",)
+    metrics = ("return_mean", "env_steps", "env_steps_per_s", "episodes", "workers", "lost_batches", "sample_s", "learn_s", "loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "lr")
     progress_metrics = ("env_steps", "env_steps_per_s", "return_mean")
 
     def __init__(self, config: PPOConfig):

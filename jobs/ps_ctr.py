@@ -173,6 +173,7 @@ class PSCTRWorkload(BaseWorkload):
     name = "ps_ctr"
     main_metric = "auc"
     guarded_metrics = ("loss", "auc")  # auc is NaN when the held-out scores are not finite
+    metrics = ("auc", "loss", "clock", "updates_per_s", "pull_wait_s", "step_s")
     progress_metrics = ("auc", "loss")
 
     def __init__(self, config: PSCTRConfig):

@@ -223,6 +223,7 @@ class XGBoostWorkload(BaseWorkload):
         first = self.prep.metrics[0]
         self.main_metric = f"{self.prep.evals[-1]}-{first}" if self.prep.evals else "round"
         self.guarded_metrics = tuple(f"{s}-{first}" for s in self.prep.evals[:1])
+        self.metrics = ("round", *(f"{s}-{m}" for s in self.prep.evals for m in self.prep.metrics), "trainers", "chunk_s", "boost_s", "build_s")
         self.progress_metrics = ("round",) + tuple(f"{self.prep.evals[-1]}-{m}" for m in self.prep.metrics if self.prep.evals)
         self.gang: Gang | None = None  # rank i holds shard i
         self.ctx: Context | None = None

@@ -313,8 +313,8 @@ def check_value(cls: type, key: str, value: Any) -> Any:
         node = node.setdefault(part, {})
     node[leaf] = value
     obj: Any = _build(cls, nested, "")
-    for part in key.split("."):
-        obj = getattr(obj, part)
+    for part in key.split("."):  # a key under a dict field (xgboost's params.eta) is an item of it
+        obj = obj[part] if isinstance(obj, Mapping) else getattr(obj, part)
     return obj
 
 

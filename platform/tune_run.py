@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from raylane import config as cfg
-from raylane.tune_space import SearchSpaceError, Spec, check_space, trial_count
+from raylane.tune_space import SearchSpaceError, Spec, check_space, flatten, read_yaml, trial_config, trial_count
 
 SCHEDULERS = ("none", "asha", "pbt")
 _MAX = re.compile(r"(acc|auc|return|reward|score|f1|precision|recall|per_s|throughput)", re.I)
@@ -115,7 +115,12 @@ def prepare(search: Search) -> Prepared:
     check_space(spec.config_cls, s.space, base=fixed)
     if not hasattr(base, "driver"):
         raise SearchSpaceError(f"job {spec.name!r}: its config has no driver section; raylane tune runs jobs whose config has driver: DriverConfig")
-    workload = build_workload(spec, base)  # reads the job's input: a bad dataset or env fails here, once
+    filed = flatten(read_yaml(s.config_file))
+    notes = [f"{key}: searched; the value {filed[key]!r} in {s.config_file} is not used" for key in s.space if key in filed]
+    # The job's own checks (its input, a free-form mapping's names such as xgboost's params)
+    # run once, on a trial's config with every searched key at its first value.
+    probe = trial_config(spec.config_cls, {k: v.values[0] for k, v in s.space.items()}, s.config_file, s.overrides)
+    workload = build_workload(spec, probe)  # reads the job's input: a bad dataset or env fails here, once
     try:
         metric = s.metric or workload.main_metric
         declared = tuple(getattr(workload, "metrics", ()) or ())
@@ -128,7 +133,6 @@ def prepare(search: Search) -> Prepared:
         roles = list(workload.roles())
     finally:
         workload.close()
-    notes = []
     if s.scheduler == "pbt":
         if grid := [k for k, v in s.space.items() if v.kind == "grid"]:
             raise SearchSpaceError(f"--scheduler pbt mutates values, and grid() has none to mutate to ({', '.join(grid)}); use choice([...])")
@@ -140,7 +144,13 @@ def prepare(search: Search) -> Prepared:
                          "so each exploit copies the donor's state of that step")
             base.driver.checkpoint_every_steps = interval
             s.overrides = [o for o in s.overrides if not o.startswith("driver.checkpoint_every_steps=")] + [f"driver.checkpoint_every_steps={interval}"]
+        if not s.perturbation_interval:
+            notes.append(f"pbt: perturbation interval {interval} steps (driver.checkpoint_every_steps; --perturbation-interval changes it)")
         s.perturbation_interval = interval
+    if s.scheduler == "asha":
+        grace = min(s.grace_steps, base.driver.max_steps)
+        notes.append(f"asha: every trial runs at least {grace} step{'' if grace == 1 else 's'}; the longest run {base.driver.max_steps} (driver.max_steps), "
+                     "halving the trials at each rung (reduction factor 2)" + (f"; --grace-steps {s.grace_steps} was above driver.max_steps" if grace != s.grace_steps else ""))
     if s.metric is None:
         notes.append(f"metric: {metric} ({mode}), the job's main metric")
     elif s.mode is None:
@@ -187,6 +197,16 @@ def local_totals() -> dict[str, float]:
     return totals
 
 
+def _event(folder: Path, kind: str, **data: Any) -> None:
+    """One line of the search's own ``events.jsonl`` (each trial's run folder has its own)."""
+    import json
+    import time
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "events.jsonl", "a") as fh:
+        fh.write(json.dumps({"time": time.time(), "event": kind, **data}, default=str) + "\n")
+
+
 def search_folder(search: Search) -> Path:
     return Path(search.runs_dir).resolve() / search.name
 
@@ -215,6 +235,9 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
     check_concurrency(prep, ray.cluster_resources(), "the cluster")
     for note in prep.notes:
         say(note)
+    _event(folder, "tune_search", job=prep.spec.name, space={k: v.text for k, v in s.space.items()}, fixed=list(s.overrides),
+           config_file=s.config_file, metric=prep.metric, mode=prep.mode, trials=prep.n_trials, concurrency=s.concurrency,
+           scheduler=s.scheduler, max_failures=s.max_failures, trial_cpus=s.trial_cpus, seed=s.seed, decided=list(prep.notes))
     plan = TrialPlan(job=s.job, overrides=tuple(s.overrides), config_file=None if s.config_file is None else str(Path(s.config_file).resolve()),
                      runs_root=str(folder / "trials"), metric=prep.metric)
     # the trial's own process never on spot: a label selector on its one bundle ("!spot" also takes unlabelled nodes)
@@ -223,10 +246,10 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
     space = {k: v.to_tune() for k, v in s.space.items()}
     scheduler: Any = None
     if s.scheduler == "asha":
-        scheduler = schedulers.ASHAScheduler(time_attr="training_iteration", max_t=prep.max_steps, grace_period=min(s.grace_steps, prep.max_steps),
+        scheduler = schedulers.ASHAScheduler(time_attr="step", max_t=prep.max_steps, grace_period=min(s.grace_steps, prep.max_steps),
                                                   reduction_factor=2)
     elif s.scheduler == "pbt":
-        scheduler = schedulers.PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=s.perturbation_interval,
+        scheduler = schedulers.PopulationBasedTraining(time_attr="step", perturbation_interval=s.perturbation_interval,
                                                             hyperparam_mutations=dict(space))
     tracker = _Tracker(prep.metric)
     tuner = tune.Tuner(
@@ -281,4 +304,9 @@ def tune(search: Search, *, address: str | None = None, say: Any = print) -> tup
     states = {r.metrics.get("trial_id"): "error" for r in grid if r.error is not None and r.metrics}
     folder = search_folder(prep.search)
     table = tune_results.rows(folder / "trials", prep.metric, prep.mode, states)
-    return prep, table, tune_results.write(folder, table, prep.metric)
+    files = tune_results.write(folder, table, prep.metric)
+    counts: dict[str, int] = {}
+    for row in table:
+        counts[row["state"]] = counts.get(row["state"], 0) + 1
+    _event(folder, "tune_end", states=counts, best=table[0]["trial"] if table else None, files={k: str(v) for k, v in files.items()})
+    return prep, table, files

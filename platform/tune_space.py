@@ -128,9 +128,11 @@ def check_space(config_cls: type, space: Mapping[str, Spec], base: Mapping[str, 
     search must not also vary."""
     if not space:
         raise SearchSpaceError("the search space is empty: give at least one --search key=SPEC (or a search: mapping)")
-    keys = [row[0] for row in cfg.describe(config_cls)]
+    rows = cfg.describe(config_cls)
+    keys = [row[0] for row in rows]
+    free = [row[0] for row in rows if row[1].startswith("dict")]  # free-form mappings: any key under them
     for key, spec in space.items():
-        if key not in keys:
+        if key not in keys and not any(key.startswith(f + ".") and len(key) > len(f) + 1 for f in free):
             close = difflib.get_close_matches(key, keys, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(keys)}"
             raise SearchSpaceError(f"search key {key!r} is not a key of {config_cls.__name__}{hint}")
@@ -150,6 +152,57 @@ def check_space(config_cls: type, space: Mapping[str, Spec], base: Mapping[str, 
                                        f"(it takes whole numbers: use randint or choice): {exc}") from None
             if isinstance(got, int) and not isinstance(got, bool):
                 raise SearchSpaceError(f"search {key}={spec.text!r}: {key!r} takes whole numbers; use randint or choice")
+
+
+def nest(values: Mapping[str, Any]) -> dict:
+    """``{"driver.max_steps": 5}`` -> ``{"driver": {"max_steps": 5}}``."""
+    out: dict = {}
+    for key, value in values.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"driver": {"max_steps": 5}}`` -> ``{"driver.max_steps": 5}``."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def read_yaml(path: str | None) -> dict:
+    """A config file's mapping ({} without one); ConfigError for a file that is not one."""
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except FileNotFoundError:
+        raise cfg.ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise cfg.ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise cfg.ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+    return dict(data)
+
+
+def trial_config(config_cls: type, values: Mapping[str, Any], config_file: str | None, overrides: list[str] | tuple = ()) -> Any:
+    """One trial's config: the job's defaults <- the config file <- the trial's sampled
+    ``values`` (typed, never round-tripped through text) <- ``--set`` overrides. A sampled
+    value wins over the file's value of the same key (the search says so before it starts);
+    a key both --set and searched is refused by :func:`check_space`."""
+    data = cfg._merge(read_yaml(config_file), nest(values))
+    return cfg.load_config(config_cls, data=data, overrides=list(overrides))
 
 
 def trial_count(space: Mapping[str, Spec], num_samples: int) -> int:

@@ -17,6 +17,7 @@ trial's config of now; both are events in the trial's ``events.jsonl``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import threading
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ray.tune import Trainable
+
+from raylane.tune_space import nest, trial_config  # noqa: F401 - nest is re-exported
 
 ORIGIN = "raylane_origin.json"  # beside a checkpoint handed to Tune: which trial and step it is
 STOP_WAIT_S = 120.0  # how long a stopped trial waits for its run's last checkpoint and summary
@@ -44,18 +47,6 @@ class TrialPlan:
     """Folder of the trials' run folders (``<runs_root>/<trial id>/``)."""
     metric: str
     """The metric the search optimises; every step must report it."""
-
-
-def nest(values: Mapping[str, Any]) -> dict:
-    """``{"driver.max_steps": 5}`` -> ``{"driver": {"max_steps": 5}}``."""
-    out: dict = {}
-    for key, value in values.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -83,6 +74,8 @@ class TuneReporter:
         self.fresh = False  # a checkpoint was written since the last row handed over
         self.driver: Any = None
         self.stopping = False
+        self.declared = False  # the job declares its metrics: steps without the metric are not handed to Tune
+        self.reported = False  # a step with the metric has been handed over
 
     def checkpointed(self, step: int, path: str) -> None:
         self.latest, self.fresh = (step, path), True
@@ -91,11 +84,18 @@ class TuneReporter:
         from raylane.workload import DriverError
 
         row = {**scalars(metrics), "step": step}
+        self.final_row = row
         value = row.get(self.metric)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            have = sorted(k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-            raise DriverError(f"--metric {self.metric!r}: job {self.job!r} reports no such number each step; it reports {have}")
         last = step >= self.driver.config.max_steps or self.driver.state.value == "finished"
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+            # No value at this step (evaluated at an epoch's end only; no episode ended yet):
+            # Tune hears of the trial at the next step that has one (its time is the step).
+            if not self.declared and not self.reported and value is None:
+                have = sorted(k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+                raise DriverError(f"--metric {self.metric!r}: job {self.job!r} did not report it at step {step}; it reports {have} "
+                                  "(a workload that reports it only at some steps declares it in its `metrics`)")
+            return
+        self.reported = True
         self.last_row = row
         if last:  # handed over once the run has ended (summary and final checkpoint written)
             return
@@ -113,13 +113,12 @@ class RaylaneTrial(Trainable):
     at its step boundary with a checkpoint and waits for it."""
 
     def setup(self, config: dict, plan: TrialPlan) -> None:
-        from raylane import config as cfg
         from raylane import registry
         from raylane.checkpoint import CheckpointStore
 
         self.plan, self.values = plan, dict(config)
         self.spec = registry.get(plan.job)
-        conf = cfg.load_config(self.spec.config_cls, data=nest(config), yaml_path=plan.config_file, overrides=list(plan.overrides))
+        conf = trial_config(self.spec.config_cls, config, plan.config_file, plan.overrides)
         conf.driver.run_name, conf.driver.runs_dir = self.trial_id, plan.runs_root
         conf.driver.progress, conf.driver.resume = False, True
         self.conf, self.run_dir = conf, Path(plan.runs_root) / self.trial_id
@@ -154,6 +153,7 @@ class RaylaneTrial(Trainable):
         if changes:
             log.event("config_changed", changes=[{"key": k, "run": a, "now": b} for k, a, b in changes])
         log.close()
+        self.reporter.declared = self.plan.metric in tuple(getattr(workload, "metrics", ()) or ())
         self.reporter.driver = Driver(workload, self.conf.driver, observer=self.reporter)
         self.thread = threading.Thread(target=self._drive, name=f"raylane-trial-{self.trial_id}", daemon=True)
         self.thread.start()
@@ -187,7 +187,10 @@ class RaylaneTrial(Trainable):
         self.thread.join(timeout=60)
         if "error" in self.outcome:
             raise self.outcome["error"]
-        return {**getattr(r, "last_row", {}), DONE: True, SHOULD_CHECKPOINT: r.latest is not None}
+        # The last step with the metric; a run that never had it (it ended before its first
+        # evaluation) ends with NaN, which Tune ranks last, rather than a made-up value.
+        final = getattr(r, "last_row", None) or {**getattr(r, "final_row", {}), r.metric: float("nan")}
+        return {**final, DONE: True, SHOULD_CHECKPOINT: r.latest is not None}
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict | None:
         """The newest raylane checkpoint, copied whole, with a note of which trial and step it is."""

@@ -154,8 +154,10 @@ class BaseWorkload:
     """Metrics that must stay finite; a NaN or infinity stops the run naming the metric."""
 
     metrics: tuple[str, ...] = ()
-    """The numbers every step reports (empty: not declared). ``raylane tune --metric`` is
-    checked against them before Ray starts; undeclared, at the trial's first step."""
+    """The numbers the job reports (empty: not declared), some perhaps only at some steps
+    (an evaluation at an epoch's end). ``raylane tune --metric`` is checked against them
+    before Ray starts, and its trials report to Tune at the steps that carry the metric;
+    undeclared, the metric must be in the first step's metrics."""
 
     progress_metrics: tuple[str, ...] = ()
     """Metrics shown beside the progress bar (empty: the main metric)."""

@@ -1,0 +1,113 @@
+"""``raylane tune``: a trial's config (file <- sampled values <- --set), keys under a
+job's free-form mapping (xgboost's params), what the search decides and says, and the
+trial's reporter handing Tune only the steps that carry the metric (no Ray)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from raylane import config as cfg
+from raylane.tune_run import Search, prepare
+from raylane.tune_space import SearchSpaceError, check_space, flatten, parse_search, trial_config
+from raylane.tune_trial import TuneReporter
+from raylane.workload import DriverError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclasses.dataclass
+class Job:
+    lr: float = cfg.field(0.1, gt=0)
+    """Step size."""
+    params: dict[str, Any] = cfg.field(default_factory=dict)
+    """Free-form library parameters."""
+
+
+def test_keys_under_a_free_form_mapping_are_searchable_and_typed():
+    check_space(Job, parse_search(["params.eta=uniform(0.1,0.5)", "params.max_depth=randint(2,6)"]))
+    assert cfg.check_value(Job, "params.eta", 0.3) == 0.3
+    with pytest.raises(SearchSpaceError, match="'paramz.eta' is not a key of Job; did you mean 'params'"):
+        check_space(Job, parse_search(["paramz.eta=uniform(0.1,0.5)"]))
+    with pytest.raises(SearchSpaceError, match="'lr.x' is not a key"):  # lr is a number, not a mapping
+        check_space(Job, parse_search(["lr.x=uniform(0.1,0.5)"]))
+
+
+def test_a_trial_config_is_the_file_then_the_sampled_values_then_set(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 0.05\nparams: {eta: 0.9, max_depth: 3}\n")
+    conf = trial_config(Job, {"lr": 0.2, "params.eta": 0.25}, str(f), ["params.gamma=1.5"])
+    assert conf.lr == 0.2  # the sampled value, not the file's
+    assert conf.params == {"eta": 0.25, "max_depth": 3, "gamma": 1.5}  # a mapping merges key by key
+    assert flatten({"a": {"b": 1, "c": {}}, "d": 2}) == {"a.b": 1, "a.c": {}, "d": 2}
+
+
+def test_a_searched_key_in_the_config_file_is_said_not_used(tmp_path):
+    f = tmp_path / "linreg.yaml"
+    f.write_text("lr: 0.07\nworkers: 1\n")
+    prep = prepare(Search(job="linreg", space=parse_search(["lr=loguniform(0.01,0.5)"]), config_file=str(f)))
+    assert f"lr: searched; the value 0.07 in {f} is not used" in prep.notes
+
+
+def test_xgboost_params_are_searched_and_checked_by_the_job_itself():
+    prep = prepare(Search(job="xgboost", space=parse_search(["params.eta=uniform(0.1,0.5)", "params.max_depth=randint(2,6)"])))
+    assert (prep.metric, prep.mode) == ("eval-logloss", "min")
+    with pytest.raises(cfg.ConfigError, match="params.etaa: xgboost .* has no parameter 'etaa'; did you mean eta"):
+        prepare(Search(job="xgboost", space=parse_search(["params.etaa=uniform(0.1,0.5)"])))
+
+
+def test_the_schedulers_choices_are_said():
+    asha = prepare(Search(job="linreg", space=parse_search(["lr=uniform(0.1,0.3)"]), scheduler="asha", grace_steps=500,
+                          overrides=["driver.max_steps=40"]))
+    assert any(n.startswith("asha: every trial runs at least 40 steps; the longest run 40") and "--grace-steps 500" in n for n in asha.notes)
+    pbt = prepare(Search(job="linreg", space=parse_search(["lr=uniform(0.1,0.3)"]), scheduler="pbt", overrides=["driver.checkpoint_every_steps=5"]))
+    assert "pbt: perturbation interval 5 steps (driver.checkpoint_every_steps; --perturbation-interval changes it)" in pbt.notes
+    assert pbt.search.perturbation_interval == 5
+
+
+def test_declared_metrics_include_each_jobs_main_metric():
+    from raylane import registry
+    from raylane.launch import build_workload
+
+    for job in ("linreg", "ppo", "impala", "graphsage", "pipeline_lm", "ps_ctr", "federated", "xgboost"):
+        spec = registry.get(job)
+        overrides = ["graph.nodes=2000"] if job == "graphsage" else []
+        w = build_workload(spec, cfg.load_config(spec.config_cls, overrides=overrides))
+        try:
+            assert w.main_metric in w.metrics, (job, w.main_metric, w.metrics)
+            assert len(set(w.metrics)) == len(w.metrics), job
+        finally:
+            w.close()
+
+
+def _reporter(declared: bool, max_steps: int = 10) -> TuneReporter:
+    r = TuneReporter("t0", "test_acc", "graphsage")
+    r.declared = declared
+    r.driver = SimpleNamespace(config=SimpleNamespace(max_steps=max_steps), state=SimpleNamespace(value="running"))
+    return r
+
+
+def test_steps_without_the_metric_are_not_handed_to_tune_when_it_is_declared():
+    r = _reporter(declared=True)
+    r.stepped(1, {"loss": 0.9})  # no evaluation yet: returns at once, nothing for Tune
+    r.stepped(2, {"loss": 0.8, "test_acc": float("nan")})  # not a value either
+    assert r.rows.empty()
+    handed = threading.Thread(target=r.stepped, args=(3, {"loss": 0.7, "test_acc": 0.6}), daemon=True)
+    handed.start()
+    kind, row = r.rows.get(timeout=10)
+    assert (kind, row["step"], row["test_acc"]) == ("step", 3, 0.6)
+    r.go.release()
+    handed.join(10)
+    assert not handed.is_alive() and r.last_row["step"] == 3
+    r.stepped(10, {"loss": 0.5})  # the last step, without the metric: the final result stays step 3's
+    assert r.last_row["step"] == 3 and r.final_row["step"] == 10
+
+
+def test_an_undeclared_metric_missing_at_the_first_step_stops_the_trial_naming_it():
+    r = _reporter(declared=False)
+    with pytest.raises(DriverError, match=r"--metric 'test_acc': job 'graphsage' did not report it at step 1; it reports \['loss', 'step'\]"):
+        r.stepped(1, {"loss": 0.9})
