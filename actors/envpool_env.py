@@ -68,7 +68,9 @@ class EnvpoolVectorEnv:
 
     def _make(self, seed: int):
         try:
-            return _module().make_gymnasium(self.env_id, num_envs=self.num_envs, seed=int(seed), **self.kwargs)
+            # One C++ thread unless env_kwargs gives num_threads: a rollout worker holds a share
+            # of a CPU, and envpool's default (a thread per copy) oversubscribes the node.
+            return _module().make_gymnasium(self.env_id, num_envs=self.num_envs, seed=int(seed), **{"num_threads": 1, **self.kwargs})
         except (TypeError, ValueError, RuntimeError) as exc:
             raise EnvpoolError(f"envpool could not make {self.env_id!r} with env_kwargs {self.kwargs}: {exc}") from None
 

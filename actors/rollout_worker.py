@@ -16,7 +16,7 @@ import ray
 import torch
 
 from raylane.actors.envs import EnvRecipe, make_vector_env
-from raylane.actors.policy import NetConfig, RunningMeanStd, SpaceSpec, acting_policy, build_net
+from raylane.actors.policy import NetConfig, NumpyPolicy, RunningMeanStd, SpaceSpec, acting_policy, build_net
 from raylane.cluster import MARKET_LABEL, SPEED_LABEL
 
 
@@ -106,10 +106,14 @@ class Sampler:
         final_obs: list[np.ndarray] = []
         low = np.asarray(spec.act_low, dtype=np.float32) if not spec.discrete else None
         high = np.asarray(spec.act_high, dtype=np.float32) if not spec.discrete else None
+        noise = None  # the numpy policy's random draws for the whole fragment: one call, not one per step
+        if isinstance(self.policy, NumpyPolicy):
+            shape = (num_steps, n, spec.act_dim)
+            noise = (self.rng.gumbel(size=shape) if spec.discrete else self.rng.standard_normal(shape)).astype(np.float32)
         for t in range(num_steps):
             raw = self.obs.reshape(n, -1).astype(np.float32, copy=False)
             o = self.rms.normalize(raw) if norm else raw
-            a, lp, v = self.policy.act(o)
+            a, lp, v = self.policy.act(o) if noise is None else self.policy.act(o, noise[t])
             obs_tnd[t] = o
             if norm:
                 raw_tnd[t] = raw
