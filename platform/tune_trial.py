@@ -133,8 +133,17 @@ class RaylaneTrial(Trainable):
             origin = json.loads((Path(checkpoint_dir) / ORIGIN).read_text())
         except (OSError, ValueError):
             origin = {}
+        donor = origin.get("trial", self.trial_id)
+        if donor == self.trial_id and "step" in origin:
+            # Tune copies a checkpoint after the step that wrote it is reported; a process lost
+            # in between leaves the trial's own store one checkpoint ahead of Tune's copy.
+            own = self.store.latest()
+            if own is not None and own.step > int(origin["step"]):
+                self.restored = {"step": own.step, "donor": donor, "path": own.path, "tune_step": int(origin["step"]),
+                                 "why": "the trial's own store holds a newer checkpoint than Ray Tune's copy"}
+                return
         step = self.store.adopt(checkpoint_dir)
-        self.restored = {"step": step, "donor": origin.get("trial", self.trial_id), "path": checkpoint_dir}
+        self.restored = {"step": step, "donor": donor, "path": checkpoint_dir}
 
     def _start(self) -> None:
         from raylane import runconfig

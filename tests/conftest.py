@@ -12,16 +12,29 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray instance for the module (never joins another cluster on the machine)."""
+def _local_ray(num_cpus: int):
+    """Shut down any Ray this process holds; then (num_cpus > 0) start a local one."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    if num_cpus:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
+    return ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray instance for the module (never joins another cluster on the machine)."""
+    yield _local_ray(4)
+    _local_ray(0)
+
+
+@pytest.fixture(scope="module")
+def ray_tune():
+    """A local Ray with logical CPUs above the machine's: two to four ``raylane tune`` trials at once."""
+    yield _local_ray(8)
+    _local_ray(0)
 
 
 @pytest.fixture(scope="session")

@@ -73,6 +73,7 @@ def test_sigkilled_driver_resumes_at_last_checkpoint_and_matches_uninterrupted_r
     assert json.loads((tmp_path / "reference" / "summary.json").read_text())["final_metrics"]["loss"] == summary["final_metrics"]["loss"]
 
 
+@pytest.mark.slow  # long (30-45 s); the default run keeps this job's other fault tests
 def test_sigkilled_ppo_driver_resumes_at_the_last_checkpointed_iteration(tmp_path):
     args = ["--set", "total_env_steps=40000", "--set", "target_return=null", "--set", "driver.checkpoint_every_steps=5", "--set", "plot=false"]
     cmd = [sys.executable, "-m", "raylane", "run", "ppo", "--run-name", "ppo", "--set", f"driver.runs_dir={tmp_path}", "--no-progress", *args]

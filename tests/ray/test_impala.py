@@ -98,6 +98,7 @@ def test_a_learner_killed_mid_step_is_replaced_and_resumes_from_the_last_checkpo
     assert saved["workload"]["learner"]["version"] == ckpts_before[-1] * 10  # updates_per_step learner versions per step
 
 
+@pytest.mark.slow  # long (30-45 s); the default run keeps this job's other fault tests
 def test_a_sigkilled_driver_resumes_at_the_last_checkpoint(tmp_path):
     args = ["--set", "total_env_steps=400000", "--set", "target_return=null", "--set", "driver.checkpoint_every_steps=5", "--set", "plot=false"]
     cmd = [sys.executable, "-m", "raylane", "run", "impala", "--run-name", "imp", "--set", f"driver.runs_dir={tmp_path}", "--no-progress", *args]

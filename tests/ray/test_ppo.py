@@ -53,6 +53,7 @@ def test_ppo_solves_cartpole_on_the_envpool_backend(ray_local, tmp_path):
     assert final["return_mean"] >= 475.0 and final["env_steps"] < 150_000, final
 
 
+@pytest.mark.slow  # long (30-45 s); the default run keeps this job's other fault tests
 def test_pendulum_trains_and_its_return_improves(ray_local, tmp_path):
     workload, driver = make(
         tmp_path, "pendulum", env_id="Pendulum-v1", total_env_steps=80_000, target_return=None, normalize_obs=True,

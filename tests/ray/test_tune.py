@@ -20,18 +20,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 SMALL_LINREG = ["workers=1", "rows=4096", "driver.tensorboard=false", "driver.control=false"]
 
 
-@pytest.fixture(scope="module")
-def ray_tune():
-    """Logical CPUs above the machine's: two to four trials of one worker each at once."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _events(row, kind):
     return [e for e in read_jsonl(os.path.join(row["run_dir"], "events.jsonl")) if e["event"] == kind]
 

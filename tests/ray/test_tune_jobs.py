@@ -27,19 +27,8 @@ JOBS = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_jobs():
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("job", list(JOBS))
-def test_every_job_tunes_and_reports_what_it_declares(ray_jobs, tmp_path, job):
+def test_every_job_tunes_and_reports_what_it_declares(ray_tune, tmp_path, job):
     from raylane import registry
     from raylane.config import load_config
     from raylane.launch import build_workload
