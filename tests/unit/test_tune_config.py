@@ -111,3 +111,54 @@ def test_an_undeclared_metric_missing_at_the_first_step_stops_the_trial_naming_i
     r = _reporter(declared=False)
     with pytest.raises(DriverError, match=r"--metric 'test_acc': job 'graphsage' did not report it at step 1; it reports \['loss', 'step'\]"):
         r.stepped(1, {"loss": 0.9})
+
+
+def _checkpoint(store, step: int) -> str:
+    return store.save(step, {"step": step, "w": [float(step)]}).path
+
+
+def _tune_copy(tmp_path, store, step: int, trial: str) -> str:
+    """A checkpoint as RaylaneTrial.save_checkpoint hands it to Tune: the files and its origin."""
+    import json
+    import shutil
+
+    from raylane.tune_trial import ORIGIN
+
+    dst = tmp_path / f"tune-{trial}-{step}"
+    shutil.copytree(_checkpoint(store, step), dst)
+    (dst / ORIGIN).write_text(json.dumps({"trial": trial, "step": step}))
+    return str(dst)
+
+
+def _restoring(tmp_path):
+    """A RaylaneTrial as Tune's restore finds it, its own store holding steps 5 and 10 (no Ray needed)."""
+    from raylane.checkpoint import CheckpointStore
+    from raylane.tune_trial import RaylaneTrial
+
+    trial = object.__new__(RaylaneTrial)
+    trial._trial_info = SimpleNamespace(trial_id="t1")
+    trial.store = CheckpointStore(str(tmp_path / "own"), keep=5)
+    for step in (5, 10):
+        _checkpoint(trial.store, step)
+    return trial
+
+
+def test_a_restored_trial_keeps_its_own_newer_checkpoint_over_tunes_older_copy(tmp_path):
+    from raylane.checkpoint import CheckpointStore
+
+    trial = _restoring(tmp_path)
+    # the process was lost after writing step 10 and before Tune copied it: Tune holds step 5
+    trial.load_checkpoint(_tune_copy(tmp_path, CheckpointStore(str(tmp_path / "old"), keep=5), 5, "t1"))
+    assert trial.restored["step"] == 10 and trial.restored["tune_step"] == 5 and trial.store.steps() == [5, 10]
+
+
+def test_a_restored_trial_takes_tunes_copy_when_it_is_the_newest_or_a_donors(tmp_path):
+    from raylane.checkpoint import CheckpointStore
+
+    trial = _restoring(tmp_path)
+    other = CheckpointStore(str(tmp_path / "donor"), keep=5)
+    trial.load_checkpoint(_tune_copy(tmp_path, other, 3, "t2"))  # PBT: a donor's step 3, older than the own store's
+    assert trial.restored == {"step": 3, "donor": "t2", "path": trial.restored["path"]} and trial.store.steps() == [3]
+    trial = _restoring(tmp_path / "again")
+    trial.load_checkpoint(_tune_copy(tmp_path, other, 12, "t1"))  # Tune's own copy is the newest
+    assert trial.restored["step"] == 12 and "tune_step" not in trial.restored and trial.store.steps() == [12]
