@@ -45,7 +45,6 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from raylane import config as cfg  # noqa: E402
-from raylane.cluster import ClusterView  # noqa: E402
 from raylane.driver import Driver  # noqa: E402
 from raylane.group import PoolError  # noqa: E402
 from raylane.preemption import NodeLost  # noqa: E402
@@ -93,17 +92,7 @@ class RestartAll:
 
 
 def restore(market: SpotMarket) -> None:
-    present = {n.name for n in market.nodes.values()}
-    for name in SPOT:
-        if name not in present:
-            market.add_node("spot", speed=1.0, cpus=2, name=name)
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        view = ClusterView.from_ray()
-        if len(view.usable) == 1 + len(SPOT) and all(n.available.get("CPU", 0) == n.cpus for n in view.usable):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the cluster did not come back to its starting shape")
+    market.refill(dict.fromkeys(SPOT, 1.0))
 
 
 def play(market: SpotMarket, mode: str, every: float, notice: float, duration: float, seed: int, t0: float, stop: threading.Event) -> threading.Thread:

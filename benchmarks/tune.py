@@ -56,19 +56,7 @@ def chaos(market, every: float, seed: int, stop: threading.Event, log: list) -> 
 
 
 def settle(market) -> None:
-    from raylane.cluster import ClusterView
-
-    present = {n.name for n in market.nodes.values()}
-    for name in SPOT:
-        if name not in present:
-            market.add_node("spot", speed=1.0, cpus=2, name=name)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        view = ClusterView.from_ray()
-        if len(view.usable) == 1 + len(SPOT) and all(n.available.get("CPU", 0) == n.cpus for n in view.usable):
-            return
-        time.sleep(0.5)
-    raise TimeoutError("the cluster did not come back to its starting shape")
+    market.refill(dict.fromkeys(SPOT, 1.0), timeout_s=120)
 
 
 def raylane_search(market, args, runs: Path, name: str, faults: bool) -> dict:

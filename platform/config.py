@@ -42,7 +42,7 @@ import yaml
 MISSING = dataclasses.MISSING
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "field", "field_docs", "from_dict", "to_dict", "load_config",
+__all__ = ["ConfigError", "field", "field_docs", "from_dict", "to_dict", "load_config", "merge", "read_mapping",
            "parse_override", "validate", "describe", "MISSING"]
 
 
@@ -343,33 +343,39 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"bad override {text!r}: value is not valid YAML: {exc}") from exc
 
 
-def _merge(dst: dict[str, Any], src: Mapping[str, Any]) -> dict[str, Any]:
+def merge(dst: dict[str, Any], src: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge ``src`` into ``dst`` (mappings key by key, anything else replaced by a copy); returns ``dst``."""
     for k, v in src.items():
         if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
+            merge(dst[k], v)
         else:
             dst[k] = copy.deepcopy(v)
     return dst
 
 
+def read_mapping(yaml_path: str | None) -> dict[str, Any]:
+    """A YAML config file's top-level mapping ({} without a file, or for an empty one)."""
+    if yaml_path is None:
+        return {}
+    try:
+        with open(yaml_path, encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {yaml_path}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{yaml_path}: invalid YAML: {exc}") from exc
+    if loaded is None:  # an empty file overrides nothing
+        return {}
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(f"{yaml_path}: the top level must be a mapping of keys to values, "
+                          f"got {type(loaded).__name__}")
+    return dict(loaded)
+
+
 def load_config(cls: type[T], *, yaml_path: str | None = None, overrides: Sequence[str] = (),
                 data: Mapping[str, Any] | None = None) -> T:
     """defaults <- data <- YAML file <- each `key=value` override, in order; then from_dict."""
-    raw = _merge({}, data or {})
-    if yaml_path is not None:
-        try:
-            with open(yaml_path, encoding="utf-8") as fh:
-                loaded = yaml.safe_load(fh)
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file not found: {yaml_path}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{yaml_path}: invalid YAML: {exc}") from exc
-        if loaded is None:  # an empty file overrides nothing
-            loaded = {}
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"{yaml_path}: the top level must be a mapping of keys to values, "
-                              f"got {type(loaded).__name__}")
-        _merge(raw, loaded)
+    raw = merge(merge({}, data or {}), read_mapping(yaml_path))
     for text in overrides:
         key, value = parse_override(text)
         *parents, leaf = key.split(".")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from raylane import config as cfg
-from raylane.tune_space import SearchSpaceError, Spec, check_space, flatten, read_yaml, trial_config, trial_count
+from raylane.tune_space import SearchSpaceError, Spec, check_space, flatten, trial_config, trial_count
 
 SCHEDULERS = ("none", "asha", "pbt")
 _MAX = re.compile(r"(acc|auc|return|reward|score|f1|precision|recall|per_s|throughput)", re.I)
@@ -115,7 +115,7 @@ def prepare(search: Search) -> Prepared:
     check_space(spec.config_cls, s.space, base=fixed)
     if not hasattr(base, "driver"):
         raise SearchSpaceError(f"job {spec.name!r}: its config has no driver section; raylane tune runs jobs whose config has driver: DriverConfig")
-    filed = flatten(read_yaml(s.config_file))
+    filed = flatten(cfg.read_mapping(s.config_file))
     notes = [f"{key}: searched; the value {filed[key]!r} in {s.config_file} is not used" for key in s.space if key in filed]
     # The job's own checks (its input, a free-form mapping's names such as xgboost's params)
     # run once, on a trial's config with every searched key at its first value.

@@ -178,30 +178,12 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read_yaml(path: str | None) -> dict:
-    """A config file's mapping ({} without one); ConfigError for a file that is not one."""
-    if path is None:
-        return {}
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
-    except FileNotFoundError:
-        raise cfg.ConfigError(f"config file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise cfg.ConfigError(f"{path}: invalid YAML: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise cfg.ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
-    return dict(data)
-
-
 def trial_config(config_cls: type, values: Mapping[str, Any], config_file: str | None, overrides: list[str] | tuple = ()) -> Any:
     """One trial's config: the job's defaults <- the config file <- the trial's sampled
     ``values`` (typed, never round-tripped through text) <- ``--set`` overrides. A sampled
     value wins over the file's value of the same key (the search says so before it starts);
     a key both --set and searched is refused by :func:`check_space`."""
-    data = cfg._merge(read_yaml(config_file), nest(values))
+    data = cfg.merge(cfg.read_mapping(config_file), nest(values))
     return cfg.load_config(config_cls, data=data, overrides=list(overrides))
 
 

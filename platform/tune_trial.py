@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from ray.tune import Trainable
 
-from raylane.tune_space import nest, trial_config  # noqa: F401 - nest is re-exported
+from raylane.tune_space import trial_config
 
 ORIGIN = "raylane_origin.json"  # beside a checkpoint handed to Tune: which trial and step it is
 STOP_WAIT_S = 120.0  # how long a stopped trial waits for its run's last checkpoint and summary
@@ -198,8 +198,21 @@ class RaylaneTrial(Trainable):
             raise self.outcome["error"]
         # The last step with the metric; a run that never had it (it ended before its first
         # evaluation) ends with NaN, which Tune ranks last, rather than a made-up value.
-        final = getattr(r, "last_row", None) or {**getattr(r, "final_row", {}), r.metric: float("nan")}
+        final = getattr(r, "last_row", None)
+        if final is None:
+            final = {**getattr(r, "final_row", {}), r.metric: float("nan")}
+            self._no_metric(final.get("step"))
         return {**final, DONE: True, SHOULD_CHECKPOINT: r.latest is not None}
+
+    def _no_metric(self, step: Any) -> None:
+        """Say (terminal and the run's events) that the run ended without a value of the metric."""
+        from raylane.runlog import RunLog, say
+
+        text = f"trial {self.trial_id}: the run ended at step {step} without a value of {self.plan.metric!r}; Tune ranks it last (NaN)"
+        say(text)
+        log = RunLog(self.run_dir, tensorboard=False)
+        log.event("tune_no_metric", metric=self.plan.metric, step=step, message=text)
+        log.close()
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict | None:
         """The newest raylane checkpoint, copied whole, with a note of which trial and step it is."""

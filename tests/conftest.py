@@ -62,27 +62,14 @@ def spot_cluster(_spot_market):
     'spot-slow' (speed 1) and 'spot-fast' (speed 2), 2 CPUs each, with health checks short
     enough that a dead node is seen in ~2 s. Tests may remove nodes; missing ones are
     added back before the next test, and every test starts with all CPUs free."""
-    import time
-
     import ray
-
-    from raylane.cluster import ClusterView
 
     market = _spot_market
     if not ray.is_initialized() or ray.get_runtime_context().gcs_address != market.address:
         if ray.is_initialized():
             ray.shutdown()
         ray.init(address=market.address, log_to_driver=False)
-    present = {n.name for n in market.nodes.values()}
-    for name, speed in SPOT_LAYOUT.items():
-        if name not in present:
-            market.add_node("spot", speed=speed, cpus=2, name=name)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        view = ClusterView.from_ray()
-        if len(view.usable) == 1 + len(SPOT_LAYOUT) and all(n.available.get("CPU", 0) == n.cpus for n in view.usable):
-            break
-        time.sleep(0.2)
+    market.refill(SPOT_LAYOUT, timeout_s=60)
     return market
 
 

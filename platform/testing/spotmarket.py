@@ -141,6 +141,24 @@ class SpotMarket:
         self.log.append((time.time(), "add", sim.node_id))
         return sim
 
+    def refill(self, spot: dict[str, float], *, cpus: float = 2, timeout_s: float = 90.0) -> None:
+        """Add back the spot nodes of ``spot`` ({name: speed}) that are gone, then wait until
+        the head and every one of them is usable with all its CPUs free (the starting shape
+        of the next test or benchmark round); TimeoutError after ``timeout_s``."""
+        from raylane.cluster import ClusterView
+
+        present = {n.name for n in self.nodes.values()}
+        for name, speed in spot.items():
+            if name not in present:
+                self.add_node("spot", speed=speed, cpus=cpus, name=name)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            view = ClusterView.from_ray()
+            if len(view.usable) == 1 + len(spot) and all(n.available.get("CPU", 0) == n.cpus for n in view.usable):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"the cluster did not come back to its starting shape (head and {', '.join(spot)}) in {timeout_s:g} s")
+
     def spot_nodes(self) -> list[SimNode]:
         return [n for n in self.nodes.values() if n.market == "spot"]
 

@@ -162,3 +162,16 @@ def test_a_restored_trial_takes_tunes_copy_when_it_is_the_newest_or_a_donors(tmp
     trial = _restoring(tmp_path / "again")
     trial.load_checkpoint(_tune_copy(tmp_path, other, 12, "t1"))  # Tune's own copy is the newest
     assert trial.restored["step"] == 12 and "tune_step" not in trial.restored and trial.store.steps() == [12]
+
+
+def test_a_run_that_never_reported_the_metric_says_so_in_its_events(tmp_path, capsys):
+    from raylane.runlog import read_jsonl
+    from raylane.tune_trial import RaylaneTrial
+
+    trial = object.__new__(RaylaneTrial)
+    trial._trial_info = SimpleNamespace(trial_id="t1")
+    trial.plan, trial.run_dir = SimpleNamespace(metric="test_acc"), tmp_path
+    trial._no_metric(4)
+    (event,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "tune_no_metric"]
+    assert (event["metric"], event["step"]) == ("test_acc", 4)
+    assert "ended at step 4 without a value of 'test_acc'" in capsys.readouterr().err

@@ -11,8 +11,8 @@ import pytest
 from raylane.runlog import RunLog
 from raylane.tune_results import command_line, rows, trial_row, write
 from raylane.tune_run import Search, check_concurrency, metric_mode, prepare, trial_demand
-from raylane.tune_space import SearchSpaceError, parse_search
-from raylane.tune_trial import nest, scalars
+from raylane.tune_space import SearchSpaceError, nest, parse_search
+from raylane.tune_trial import scalars
 
 pytestmark = pytest.mark.timeout(60)
 
