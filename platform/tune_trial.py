@@ -134,16 +134,38 @@ class RaylaneTrial(Trainable):
         except (OSError, ValueError):
             origin = {}
         donor = origin.get("trial", self.trial_id)
-        if donor == self.trial_id and "step" in origin:
+        # Tune hands back this trial's own state (a restore after its process was lost) or
+        # another trial's (PBT's exploit). An exploited trial lost before its first own
+        # checkpoint gets the donor's copy again: the copy its store adopted, with its values.
+        ours = donor == self.trial_id or self._adopted(origin)
+        if ours and "step" in origin:
             # Tune copies a checkpoint after the step that wrote it is reported; a process lost
             # in between leaves the trial's own store one checkpoint ahead of Tune's copy.
             own = self.store.latest()
             if own is not None and own.step > int(origin["step"]):
-                self.restored = {"step": own.step, "donor": donor, "path": own.path, "tune_step": int(origin["step"]),
+                self.restored = {"kind": "tune_restore", "step": own.step, "donor": donor, "path": own.path,
+                                 "tune_step": int(origin["step"]),
                                  "why": "the trial's own store holds a newer checkpoint than Ray Tune's copy"}
                 return
         step = self.store.adopt(checkpoint_dir)
-        self.restored = {"step": step, "donor": donor, "path": checkpoint_dir}
+        if donor != self.trial_id:  # noted beside the adopted checkpoint: a later restore of it is not an exploit
+            with self.store.fs.open_output_stream(f"{self.store.root}/{step:010d}/{ORIGIN}", compression=None) as f:
+                f.write(self._adoption(origin).encode())
+        self.restored = {"kind": "tune_restore" if ours else "tune_exploit", "step": step, "donor": donor, "path": checkpoint_dir}
+
+    def _adopted(self, origin: dict) -> bool:
+        """Whether the store holds ``origin``'s checkpoint, adopted by this trial with its values of now."""
+        if "step" not in origin:
+            return False
+        try:
+            with self.store.fs.open_input_stream(f"{self.store.root}/{int(origin['step']):010d}/{ORIGIN}", compression=None) as f:
+                held = json.loads(f.read())
+        except (OSError, ValueError, TypeError):
+            return False
+        return held == json.loads(self._adoption(origin))
+
+    def _adoption(self, origin: dict) -> str:
+        return json.dumps({**origin, "values": self.values}, sort_keys=True, default=str)
 
     def _start(self) -> None:
         from raylane import runconfig
@@ -157,8 +179,7 @@ class RaylaneTrial(Trainable):
         log = RunLog(self.run_dir, tensorboard=False)
         log.event("tune_trial", trial=self.trial_id, values=self.values, metric=self.plan.metric, pid=os.getpid(), node=_node_id())
         if self.restored is not None:
-            kind = "tune_restore" if self.restored["donor"] == self.trial_id else "tune_exploit"
-            log.event(kind, **self.restored)
+            log.event(**self.restored)
         if changes:
             log.event("config_changed", changes=[{"key": k, "run": a, "now": b} for k, a, b in changes])
         log.close()

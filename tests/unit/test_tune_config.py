@@ -137,7 +137,7 @@ def _restoring(tmp_path):
 
     trial = object.__new__(RaylaneTrial)
     trial._trial_info = SimpleNamespace(trial_id="t1")
-    trial.store = CheckpointStore(str(tmp_path / "own"), keep=5)
+    trial.store, trial.values = CheckpointStore(str(tmp_path / "own"), keep=5), {"lr": 0.1}
     for step in (5, 10):
         _checkpoint(trial.store, step)
     return trial
@@ -150,6 +150,7 @@ def test_a_restored_trial_keeps_its_own_newer_checkpoint_over_tunes_older_copy(t
     # the process was lost after writing step 10 and before Tune copied it: Tune holds step 5
     trial.load_checkpoint(_tune_copy(tmp_path, CheckpointStore(str(tmp_path / "old"), keep=5), 5, "t1"))
     assert trial.restored["step"] == 10 and trial.restored["tune_step"] == 5 and trial.store.steps() == [5, 10]
+    assert trial.restored["kind"] == "tune_restore"
 
 
 def test_a_restored_trial_takes_tunes_copy_when_it_is_the_newest_or_a_donors(tmp_path):
@@ -158,10 +159,34 @@ def test_a_restored_trial_takes_tunes_copy_when_it_is_the_newest_or_a_donors(tmp
     trial = _restoring(tmp_path)
     other = CheckpointStore(str(tmp_path / "donor"), keep=5)
     trial.load_checkpoint(_tune_copy(tmp_path, other, 3, "t2"))  # PBT: a donor's step 3, older than the own store's
-    assert trial.restored == {"step": 3, "donor": "t2", "path": trial.restored["path"]} and trial.store.steps() == [3]
+    assert trial.restored == {"kind": "tune_exploit", "step": 3, "donor": "t2", "path": trial.restored["path"]}
+    assert trial.store.steps() == [3]
     trial = _restoring(tmp_path / "again")
     trial.load_checkpoint(_tune_copy(tmp_path, other, 12, "t1"))  # Tune's own copy is the newest
     assert trial.restored["step"] == 12 and "tune_step" not in trial.restored and trial.store.steps() == [12]
+
+
+def test_an_exploited_trial_lost_before_its_own_checkpoint_is_restored_not_exploited_again(tmp_path):
+    from raylane.checkpoint import CheckpointStore
+
+    trial = _restoring(tmp_path)
+    donors_copy = _tune_copy(tmp_path, CheckpointStore(str(tmp_path / "donor"), keep=5), 12, "t2")
+    trial.load_checkpoint(donors_copy)  # PBT: t1 takes t2's step 12 with its new values
+    assert trial.restored["kind"] == "tune_exploit" and trial.store.steps() == [12]
+    # the process is lost after t1 wrote step 14 and before Tune copied it: Tune hands back t2's copy again
+    _checkpoint(trial.store, 14)
+    trial.load_checkpoint(donors_copy)
+    assert trial.restored["kind"] == "tune_restore" and trial.restored["step"] == 14 and trial.restored["tune_step"] == 12
+    assert trial.store.steps() == [12, 14]  # the step written since the exploit is kept
+    # lost before step 14: the adopted copy again, a restore
+    trial = _restoring(tmp_path / "again")
+    trial.load_checkpoint(donors_copy)
+    trial.load_checkpoint(donors_copy)
+    assert trial.restored["kind"] == "tune_restore" and trial.restored["step"] == 12
+    # another exploit of the same copy comes with other values: an exploit
+    trial.values = {"lr": 0.12}
+    trial.load_checkpoint(donors_copy)
+    assert trial.restored["kind"] == "tune_exploit"
 
 
 def test_a_run_that_never_reported_the_metric_says_so_in_its_events(tmp_path, capsys):
