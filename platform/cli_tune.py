@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import List, Optional
 
 import typer
@@ -46,7 +47,8 @@ def register(app: typer.Typer) -> None:
         from raylane.tune_space import SearchSpaceError, parse_search, space_from_mapping
         from raylane.workload import default_run_name
 
-        console = Console()
+        # piped to a file or a job's log: wide enough for the table of trials, not rich's 80 columns
+        console = Console() if sys.stdout.isatty() else Console(width=160)
         try:
             space = parse_search(search)
             if search_file is not None:

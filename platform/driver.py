@@ -132,8 +132,7 @@ class Driver:
         self.history.append((time.time(), new))
 
     def request_stop(self, reason: str) -> None:
-        """Stop at the next step boundary: checkpoint, run the end-of-run hook, end STOPPED.
-        Safe to call from a signal handler or another thread."""
+        """Stop at the next step boundary: checkpoint, end-of-run hook, STOPPED (any thread, or a signal handler)."""
         self._stop_reason = reason
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:

@@ -134,7 +134,8 @@ def table(rows_: list[dict[str, Any]], metric: str) -> Any:
     cols = ["trial", *keys, f"best_{metric}", f"last_{metric}", "steps", "state", "restarts", "exploits", "failures_recovered"]
     short = {f"best_{metric}": "best", f"last_{metric}": "last", "failures_recovered": "recovered"}
     for c in cols:
-        t.add_column(short.get(c, c.removeprefix("config/")), justify="left" if c in ("trial", "state") else "right")
+        # fold, never an ellipsis: a narrow terminal must not hide a trial id or a value
+        t.add_column(short.get(c, c.removeprefix("config/")), justify="left" if c in ("trial", "state") else "right", overflow="fold")
     for r in rows_:
         t.add_row(*[f"{r.get(c):.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
     return t

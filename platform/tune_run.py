@@ -262,7 +262,16 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
                                   checkpoint_config=tune.CheckpointConfig(num_to_keep=None if s.scheduler == "pbt" else 5)),
     )
     say(f"tune {prep.spec.name}: {prep.n_trials} trials, {s.concurrency} at a time, scheduler {s.scheduler}, {prep.metric} ({prep.mode}); folder {folder}")
-    grid = tuner.fit()
+    # Ray Tune's default output prints its own "Configuration for experiment" box at every
+    # verbosity; its legacy reporter at verbose=0 prints nothing (raylane says what it runs).
+    # A RAY_AIR_NEW_OUTPUT the user set is left as it is.
+    chosen = "RAY_AIR_NEW_OUTPUT" in os.environ
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    try:
+        grid = tuner.fit()
+    finally:
+        if not chosen:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
     grid.raylane_recoveries = dict(tracker.recovered)  # type: ignore[attr-defined]
     return grid
 

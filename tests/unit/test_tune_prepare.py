@@ -3,6 +3,7 @@ cluster could hold; and the trials' table read back from run folders (no Ray).""
 
 from __future__ import annotations
 
+import io
 import json
 import time
 
@@ -112,6 +113,15 @@ def test_rows_come_from_the_trials_run_folders_best_first(tmp_path):
     assert files["csv"].read_text().splitlines()[0].startswith("trial,config/lr,best_loss")
     assert files["png"].stat().st_size > 5_000
     assert trial_row(tmp_path / "t1", "loss", "min")["config/lr"] == 0.1
+    # a narrow terminal folds the table's cells; it never cuts a trial id or a value short
+    from rich.console import Console
+
+    from raylane.tune_results import table as render
+
+    narrow = Console(width=60, record=True, file=io.StringIO())
+    narrow.print(render(table, "loss"))
+    text = narrow.export_text()
+    assert "…" not in text and "t2" in text and " 0.1 " in text and " 0.3 " in text, text
 
 
 def test_the_best_command_line_quotes_what_a_shell_would_split():
