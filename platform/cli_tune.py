@@ -29,6 +29,8 @@ def register(app: typer.Typer) -> None:
         trial_cpus: float = typer.Option(0.5, help="CPUs held by each trial's driver (its actors are placed by raylane)."),
         grace_steps: int = typer.Option(2, help="ASHA: steps every trial runs before it may be stopped."),
         perturbation_interval: int = typer.Option(0, help="PBT: steps between exploits (0: the job's driver.checkpoint_every_steps)."),
+        pbt_synch: bool = typer.Option(False, "--pbt-synch", help="PBT: trials wait for each other at every perturbation step "
+                                       "(each wait a stop and resume at the checkpoint); without it a trial finished early is out of the comparison."),
         seed: Optional[int] = typer.Option(None, help="Seed of the sampling."),
         address: Optional[str] = typer.Option(None, help=ADDRESS_HELP),
     ) -> None:
@@ -63,7 +65,8 @@ def register(app: typer.Typer) -> None:
             folder_name = check_run_name(name or default_run_name(f"tune-{job.rsplit(':', 1)[-1].rsplit('/', 1)[-1]}"), "--name")
             s = Search(job=job, space=space, overrides=list(set_), config_file=config, metric=metric, mode=mode, trials=trials,
                        concurrency=concurrency, scheduler=scheduler, name=folder_name, runs_dir=runs_dir, max_failures=max_failures,
-                       trial_cpus=trial_cpus, grace_steps=grace_steps, perturbation_interval=perturbation_interval, seed=seed)
+                       trial_cpus=trial_cpus, grace_steps=grace_steps, perturbation_interval=perturbation_interval, pbt_synch=pbt_synch,
+                       seed=seed)
             prep, rows, files = tune(s, address=address, say=lambda m: console.print(m, highlight=False, markup=False))
         except (SearchSpaceError, registry.UnknownJobError, cfg.ConfigError, RunPathError) as exc:
             _fail(str(exc))

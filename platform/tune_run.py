@@ -69,6 +69,12 @@ class Search:
     """ASHA: steps every trial runs before it may be stopped."""
     perturbation_interval: int = 0
     """PBT: steps between exploits; 0: the job's ``driver.checkpoint_every_steps``."""
+    pbt_synch: bool = False
+    """PBT: every trial waits at each perturbation step until all have reached it (Tune's
+    synchronous PBT), so the worst trials are always judged against the whole population;
+    each wait stops the trial's run at a checkpoint and resumes it from there. Without it
+    a trial that finishes before the others reach a perturbation step is out of the
+    comparison (Tune compares only running trials)."""
     seed: int | None = None
     """Seed of Tune's sampling (and PBT's mutations)."""
 
@@ -107,6 +113,8 @@ def prepare(search: Search) -> Prepared:
                              ("--grace-steps", s.grace_steps, 1), ("--perturbation-interval", s.perturbation_interval, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise SearchSpaceError(f"{name}={value!r}: must be a whole number >= {low}")
+    if s.pbt_synch and s.scheduler != "pbt":
+        raise SearchSpaceError(f"--pbt-synch is a PBT setting; --scheduler is {s.scheduler!r}: add --scheduler pbt or drop --pbt-synch")
     if not (isinstance(s.trial_cpus, (int, float)) and 0 < s.trial_cpus <= 64):
         raise SearchSpaceError(f"--trial-cpus={s.trial_cpus!r}: must be a number in (0, 64]")
     spec = registry.get(s.job)
@@ -147,6 +155,9 @@ def prepare(search: Search) -> Prepared:
         if not s.perturbation_interval:
             notes.append(f"pbt: perturbation interval {interval} steps (driver.checkpoint_every_steps; --perturbation-interval changes it)")
         s.perturbation_interval = interval
+        if s.pbt_synch:
+            notes.append(f"pbt: synchronous; every {interval} steps each trial stops at its checkpoint until all have reached "
+                         "that step, then the worst quantile copies the best")
     if s.scheduler == "asha":
         grace = min(s.grace_steps, base.driver.max_steps)
         notes.append(f"asha: every trial runs at least {grace} step{'' if grace == 1 else 's'}; the longest run {base.driver.max_steps} (driver.max_steps), "
@@ -250,7 +261,7 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
                                                   reduction_factor=2)
     elif s.scheduler == "pbt":
         scheduler = schedulers.PopulationBasedTraining(time_attr="step", perturbation_interval=s.perturbation_interval,
-                                                            hyperparam_mutations=dict(space))
+                                                            hyperparam_mutations=dict(space), synch=s.pbt_synch)
     tracker = _Tracker(prep.metric)
     tuner = tune.Tuner(
         trainable, param_space=space,

@@ -82,8 +82,11 @@ def test_asha_search_of_ppo_finishes_with_the_best_trial_and_its_command(ray_tun
 
 
 def test_pbt_exploit_continues_from_the_donors_checkpoint(ray_tune, tmp_path):
-    s = Search(job="linreg", space=parse_search(["lr=uniform(0.01,0.45)"]), overrides=SMALL_LINREG + ["driver.max_steps=8"],
-               trials=4, concurrency=4, scheduler="pbt", perturbation_interval=2, runs_dir=str(tmp_path), name="pbt", seed=1)
+    # Synchronous PBT: at step 2 all four trials are compared, so the worst one exploits. (Without
+    # it Tune compares only the trials still running; these trials take about a second each and
+    # start up to two apart, so the worst may start after the others have finished.)
+    s = Search(job="linreg", space=parse_search(["lr=uniform(0.01,0.45)"]), overrides=SMALL_LINREG + ["driver.max_steps=4"],
+               trials=4, concurrency=4, scheduler="pbt", perturbation_interval=2, pbt_synch=True, runs_dir=str(tmp_path), name="pbt", seed=1)
     prep, rows, files = tune(s, say=lambda m: None)
     assert any("checkpoint every 2 steps" in n for n in prep.notes)
     exploited = [r for r in rows if r["exploits"]]

@@ -41,6 +41,7 @@ def test_prepare_takes_the_main_metric_and_says_so():
     ({"scheduler": "hyperband"}, ["--scheduler 'hyperband'", "asha", "pbt"]),
     ({"scheduler": "pbt", "space": parse_search(["lr=grid([0.1, 0.2])"])}, ["grid()", "choice"]),
     ({"scheduler": "pbt", "overrides": ["driver.checkpoint_every_steps=0"]}, ["needs checkpoints"]),
+    ({"pbt_synch": True}, ["--pbt-synch", "--scheduler is 'none'", "add --scheduler pbt"]),
     ({"trials": 0}, ["--trials=0", ">= 1"]),
     ({"concurrency": 0}, ["--concurrency=0"]),
     ({"trial_cpus": 0}, ["--trial-cpus=0"]),
@@ -64,6 +65,9 @@ def test_pbt_aligns_the_checkpoints_with_its_perturbations_and_says_so():
     prep = prepare(search(scheduler="pbt", perturbation_interval=3))
     assert prep.base.driver.checkpoint_every_steps == 3 and "driver.checkpoint_every_steps=3" in prep.search.overrides
     assert any("checkpoint every 3 steps" in n for n in prep.notes)
+    assert not any("synchronous" in n for n in prep.notes)
+    synch = prepare(search(scheduler="pbt", perturbation_interval=3, pbt_synch=True))
+    assert any(n.startswith("pbt: synchronous; every 3 steps") for n in synch.notes)
 
 
 def test_a_concurrency_the_cluster_could_never_hold_names_what_is_missing():
