@@ -113,6 +113,8 @@ def prepare(search: Search) -> Prepared:
                              ("--grace-steps", s.grace_steps, 1), ("--perturbation-interval", s.perturbation_interval, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise SearchSpaceError(f"{name}={value!r}: must be a whole number >= {low}")
+    if not isinstance(s.pbt_synch, bool):
+        raise SearchSpaceError(f"pbt_synch={s.pbt_synch!r}: must be True or False")
     if s.pbt_synch and s.scheduler != "pbt":
         raise SearchSpaceError(f"--pbt-synch is a PBT setting; --scheduler is {s.scheduler!r}: add --scheduler pbt or drop --pbt-synch")
     if not (isinstance(s.trial_cpus, (int, float)) and 0 < s.trial_cpus <= 64):
@@ -248,7 +250,8 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
         say(note)
     _event(folder, "tune_search", job=prep.spec.name, space={k: v.text for k, v in s.space.items()}, fixed=list(s.overrides),
            config_file=s.config_file, metric=prep.metric, mode=prep.mode, trials=prep.n_trials, concurrency=s.concurrency,
-           scheduler=s.scheduler, max_failures=s.max_failures, trial_cpus=s.trial_cpus, seed=s.seed, decided=list(prep.notes))
+           scheduler=s.scheduler, grace_steps=s.grace_steps, perturbation_interval=s.perturbation_interval, pbt_synch=s.pbt_synch,
+           max_failures=s.max_failures, trial_cpus=s.trial_cpus, seed=s.seed, decided=list(prep.notes))
     plan = TrialPlan(job=s.job, overrides=tuple(s.overrides), config_file=None if s.config_file is None else str(Path(s.config_file).resolve()),
                      runs_root=str(folder / "trials"), metric=prep.metric)
     # the trial's own process never on spot: a label selector on its one bundle ("!spot" also takes unlabelled nodes)

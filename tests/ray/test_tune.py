@@ -89,6 +89,9 @@ def test_pbt_exploit_continues_from_the_donors_checkpoint(ray_tune, tmp_path):
                trials=4, concurrency=4, scheduler="pbt", perturbation_interval=2, pbt_synch=True, runs_dir=str(tmp_path), name="pbt", seed=1)
     prep, rows, files = tune(s, say=lambda m: None)
     assert any("checkpoint every 2 steps" in n for n in prep.notes)
+    search = [e for e in read_jsonl(os.path.join(str(tmp_path), "pbt", "events.jsonl")) if e["event"] == "tune_search"][-1]
+    assert search["pbt_synch"] is True and search["perturbation_interval"] == 2
+    assert any(n.startswith("pbt: synchronous") for n in search["decided"])
     exploited = [r for r in rows if r["exploits"]]
     assert exploited, rows
     by_trial = {r["trial"]: r for r in rows}

@@ -42,6 +42,7 @@ def test_prepare_takes_the_main_metric_and_says_so():
     ({"scheduler": "pbt", "space": parse_search(["lr=grid([0.1, 0.2])"])}, ["grid()", "choice"]),
     ({"scheduler": "pbt", "overrides": ["driver.checkpoint_every_steps=0"]}, ["needs checkpoints"]),
     ({"pbt_synch": True}, ["--pbt-synch", "--scheduler is 'none'", "add --scheduler pbt"]),
+    ({"scheduler": "pbt", "pbt_synch": "yes"}, ["pbt_synch='yes'", "True or False"]),
     ({"trials": 0}, ["--trials=0", ">= 1"]),
     ({"concurrency": 0}, ["--concurrency=0"]),
     ({"trial_cpus": 0}, ["--trial-cpus=0"]),
