@@ -34,6 +34,11 @@ class EnvRecipe:
     """Callables ``env -> env`` applied in order (gymnasium wrapper classes are such callables)."""
     wrapper_names: tuple[str, ...] = ()
     """Their import paths, for messages."""
+    spec: Any = None
+    """For an env of the user's own (not installed) module: its gymnasium ``EnvSpec`` with the
+    entry point resolved to the env class, made instead of looking ``env_id`` up. The class
+    travels to the workers by value, as a job file's classes do, so a worker (another process,
+    another folder, another node) need not import the module by name."""
 
 
 def build(recipe: EnvRecipe):
@@ -42,7 +47,7 @@ def build(recipe: EnvRecipe):
     import gymnasium as gym
 
     try:
-        env = gym.make(recipe.env_id, **recipe.kwargs)
+        env = gym.make(recipe.env_id if recipe.spec is None else recipe.spec, **recipe.kwargs)
     except TypeError as exc:
         if not recipe.kwargs:
             raise

@@ -219,12 +219,14 @@ class GNNTrainer:
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": buf.getvalue(),
             "rng": torch.get_rng_state(),
+            "batches": self.batches,
         }
 
     def load_state(self, state: dict) -> None:
         self.model.load_state_dict({k: torch.as_tensor(v).to(self.device) for k, v in state["model"].items()})
         self.opt.load_state_dict(torch.load(io.BytesIO(state["optimizer"]), weights_only=True, map_location=self.device))
         torch.set_rng_state(torch.as_tensor(state["rng"], dtype=torch.uint8))
+        self.batches = int(state.get("batches", 0))  # checkpoints of older versions did not count
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.device), "batches": self.batches}

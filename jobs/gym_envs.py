@@ -8,8 +8,9 @@ workers get. The checks here turn gymnasium's errors into one line that says wha
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import importlib
+import sys
 from typing import Any, Callable
 
 from raylane import imports
@@ -49,13 +50,35 @@ def resolve(env_id: str, env_module: str | None = None) -> str:
     before = set(gym.registry)
     if module:
         try:
-            importlib.import_module(module)
+            imports.import_module(module)  # the current folder on sys.path, as for a job file or a wrapper
         except ImportError as exc:
             raise EnvError(f"env_id {env_id!r}: module {module!r} cannot be imported ({exc}). Install the package "
                            f"that provides it, or run from the folder that holds your own module.") from None
+        except Exception as exc:  # noqa: BLE001 - an error inside the user's module is theirs to fix
+            raise EnvError(f"env_id {env_id!r}: importing module {module!r} failed: {imports.first_line(exc)}") from None
     if name not in gym.registry:
         raise EnvError(_unknown(env_id, name, module, sorted(set(gym.registry) - before)))
     return f"{module}:{name}" if module else name
+
+
+def portable_spec(make_id: str) -> Any:
+    """The ``EnvSpec`` of ``make_id`` (as :func:`resolve` returned it) to hand the workers when
+    its module is the user's own, not installed: its entry point resolved to the env's class
+    or factory and that module shipped by value (:func:`raylane.imports.ship`), so the env
+    reaches the rollout workers as a job file's classes do. None for an installed module
+    (gymnasium's own envs, a plugin package): the workers import it by name."""
+    import gymnasium as gym
+    from gymnasium.envs.registration import load_env_creator
+
+    module, name = split_id(make_id)
+    if module is None or module not in sys.modules or imports.installed(sys.modules[module]):
+        return None
+    spec = gym.spec(name)
+    creator = spec.entry_point if callable(spec.entry_point) else load_env_creator(spec.entry_point)
+    owner = sys.modules.get(getattr(creator, "__module__", "") or "")
+    if owner is not None:
+        imports.ship(owner)
+    return dataclasses.replace(spec, entry_point=creator)
 
 
 def _unknown(env_id: str, name: str, module: str | None, added: list[str]) -> str:

@@ -297,7 +297,7 @@ class ImpalaWorkload(BaseWorkload):
             "env_steps": self.env_steps,
             "env_steps_per_s": sum(n["step_steps"] for n in self._nodes.values()) / max(elapsed, 1e-9),
             "updates_per_s": c.updates_per_step / max(elapsed, 1e-9),
-            "return_mean": float(np.mean(self.returns)) if self.returns else float("nan"),
+            "return_mean": float(np.mean(self.returns)) if self.returns else None,  # None: no episode has ended yet (NaN would trip the guard)
             "episodes": self.episodes,
             "workers": len(self.workers.actors()),
             "staleness_mean": float(np.mean(nums)), "staleness_max": int(max(nums)),

@@ -94,6 +94,12 @@ class PPOConfig(RLEnvConfig):
     def validate(self) -> None:
         if self.workers > self.max_workers:
             raise ValueError(f"workers ({self.workers}) must not exceed max_workers ({self.max_workers})")
+        batch = self.workers * self.envs_per_worker * self.rollout_steps
+        if self.minibatches > batch:
+            # The learner would quietly train on minibatches of one sample, `batch` of them.
+            raise ValueError(f"minibatches ({self.minibatches}) must not exceed the samples per batch: workers ({self.workers}) "
+                             f"x envs_per_worker ({self.envs_per_worker}) x rollout_steps ({self.rollout_steps}) = {batch}; "
+                             f"lower minibatches to at most {batch}, or raise rollout_steps, envs_per_worker or workers")
         resolve(self)
 
 
@@ -225,7 +231,7 @@ class PPOWorkload(BaseWorkload):
         return {
             "env_steps": self.env_steps,
             "env_steps_per_s": new_steps / max(t2 - t0, 1e-9),
-            "return_mean": float(np.mean(self.returns)) if self.returns else float("nan"),
+            "return_mean": float(np.mean(self.returns)) if self.returns else None,  # None: no episode has ended yet (NaN would trip the guard)
             "episodes": self.episodes,
             "workers": len(batches),
             "lost_batches": missed,

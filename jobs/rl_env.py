@@ -94,7 +94,9 @@ def envpool_spec(recipe: EnvRecipe) -> SpaceSpec:
 def resolve(c: RLEnvConfig) -> tuple[EnvRecipe, NetConfig, SpaceSpec]:
     """The env recipe, the network and the spaces the config means, each tried here (an
     env made and wrapped, the user's network run on a batch) before any actor starts."""
-    recipe = EnvRecipe(c.make_id, dict(c.env_kwargs), gym_envs.load_wrappers(c.wrappers), tuple(c.wrappers))
+    make_id = c.make_id
+    portable = gym_envs.portable_spec(make_id) if c.vector != "envpool" else None  # a user's env class, by value
+    recipe = EnvRecipe(make_id, dict(c.env_kwargs), gym_envs.load_wrappers(c.wrappers), tuple(c.wrappers), portable)
     spec = check_env(recipe) if c.vector != "envpool" else envpool_spec(recipe)
     if c.policy is None:
         return recipe, NetConfig(tuple(c.hidden), c.activation), spec

@@ -3,7 +3,8 @@
 Pure functions over the user's ``params`` and a :class:`~raylane.actors.tabular.LabelSummary`:
 
 * :func:`static_params` refuses names xgboost does not know (naming the nearest valid ones),
-  keys that have a config field of their own, and objectives this job does not train;
+  keys that have a config field of their own, NaN and infinite values, and objectives
+  this job does not train;
 * :func:`objective_params` picks the objective from the labels when none is given (and says
   why, in an :class:`ObjectiveChoice`), checks a given one against them, and fills in
   ``num_class`` and ``eval_metric``;
@@ -141,6 +142,15 @@ def check_names(user: dict[str, Any]) -> None:
         raise cfg.ConfigError("; ".join(problems))
 
 
+def check_finite(user: dict[str, Any]) -> None:
+    """Refuse NaN and infinite numbers (``params.eta=.nan``), also inside a list value:
+    xgboost takes them and trains a model that predicts NaN."""
+    for key, value in user.items():
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, item in items:
+            cfg.check_finite(item, f"params.{key}" if i is None else f"params.{key}[{i}]")
+
+
 def _unknown(key: str, value: Any, known: frozenset[str]) -> str:
     head, colon, tail = key.partition(":")
     if colon and value is None:
@@ -165,6 +175,7 @@ def static_params(user: dict[str, Any]) -> dict[str, Any]:
         if key in user:
             raise cfg.ConfigError(f"params.{key}: set {own} instead (it has its own field)")
     check_names(user)
+    check_finite(user)
     params = {**DEFAULT_PARAMS, **user}
     objective = params.get("objective")
     if objective is not None and objective not in OBJECTIVES:

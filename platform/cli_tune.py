@@ -76,10 +76,13 @@ def register(app: typer.Typer) -> None:
         console.print(tune_results.table(rows, prep.metric))
         for kind, path in files.items():
             console.print(f"{kind}: {path}", highlight=False)
-        done = [r for r in rows if r[f"best_{prep.metric}"] is not None]
-        if not done:
-            _fail(f"no trial reported {prep.metric}; see the trials' folders under {folder / 'trials'}", code=1)
-        best = done[0]
+        best = tune_results.best(rows, prep.metric)
+        if best is None:
+            failed = [r for r in rows if r["state"] == "error"]
+            for r in failed:
+                console.print(f"trial {r['trial']} failed: {(r.get('error') or 'see its folder').splitlines()[0]}", highlight=False, markup=False)
+            what = f"all {len(rows)} trials failed" if rows and len(failed) == len(rows) else f"no trial that did not fail reported {prep.metric}"
+            _fail(f"{what}; no best trial. See the trials' folders under {folder / 'trials'}", code=1)
         console.print(f"best trial {best['trial']}: {prep.metric}={best[f'best_{prep.metric}']:.6g}; to run it alone:", highlight=False)
         console.print(tune_results.command_line(prep.spec.name if ":" not in job else job, s.overrides, config, best),
                       highlight=False, markup=False, soft_wrap=True)

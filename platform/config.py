@@ -18,6 +18,11 @@ refused with a "did you mean", and constraints are checked. Finally each
 dataclass' own ``validate(self)`` hook runs for cross-field rules. Every error
 is a ``ConfigError`` naming the dotted key (``sampler.fanouts[1]``), so a bad
 value stops a job before any Ray actor is started.
+
+YAML (files and ``--set`` values) is read by :class:`ConfigLoader`: PyYAML's safe
+loader without its YAML 1.1 number surprises (``010`` is ten, ``1:30`` a string),
+refusing duplicate keys and aliases that expand a small file into a huge document.
+Float values must be finite unless the field says ``field(..., finite=False)``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
+import numbers
 import operator
 import re
 import textwrap
@@ -42,8 +49,8 @@ import yaml
 MISSING = dataclasses.MISSING
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "field", "field_docs", "from_dict", "to_dict", "load_config", "merge", "read_mapping",
-           "parse_override", "validate", "describe", "MISSING"]
+__all__ = ["ConfigError", "ConfigLoader", "field", "field_docs", "from_dict", "to_dict", "load_config", "merge",
+           "read_mapping", "parse_override", "validate", "describe", "check_finite", "MISSING"]
 
 
 class ConfigError(ValueError):
@@ -59,11 +66,15 @@ _SCI_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 def field(default: Any = MISSING, *, default_factory: Any = MISSING, ge: float | None = None,
           gt: float | None = None, le: float | None = None, lt: float | None = None,
-          choices: Sequence[Any] | None = None) -> Any:
-    """dataclasses.field with constraints stored in metadata (ge/gt/le/lt numeric bounds, choices: a tuple of allowed values)."""
-    meta = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+          choices: Sequence[Any] | None = None, finite: bool = True) -> Any:
+    """dataclasses.field with constraints stored in metadata (ge/gt/le/lt numeric bounds,
+    choices: a tuple of allowed values, finite=False: NaN and infinities are accepted, for
+    a field whose docstring says what they mean)."""
+    meta: dict[str, Any] = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     if choices is not None:
         meta["choices"] = tuple(choices)
+    if not finite:
+        meta["finite"] = False
     # dataclasses refuses unhashable (mutable) defaults; `field([10, 5])` reads
     # better than a lambda, so turn it into a factory handing out fresh copies.
     if default is not MISSING and type(default).__hash__ is None:
@@ -219,11 +230,26 @@ def _check_field(f: dataclasses.Field, tp: Any, value: Any, path: str) -> None:
     for p, v in targets:
         if v is None:
             continue
+        if meta.get("finite", True):
+            check_finite(v, p, _bounds_text(meta))
         if choices is not None and not _is_choice(v, choices):
             raise _not_one_of(v, choices, p)
         for key, (op, sym) in _BOUNDS.items():
             if key in meta and not op(v, meta[key]):
                 raise ConfigError(f"{p}: must be {sym} {meta[key]!r}, got {v!r}")
+
+
+def _bounds_text(meta: Mapping[str, Any]) -> str:
+    return " and ".join(f"{sym} {meta[key]!r}" for key, (_, sym) in _BOUNDS.items() if key in meta)
+
+
+def check_finite(value: Any, path: str, bounds: str = "") -> None:
+    """Refuse a NaN or infinite float ``value`` (``.nan``/``.inf`` in YAML) at dotted ``path``;
+    other values pass. A NaN compares false with every bound, and an infinity passes a lower
+    one, so without this ``lr=.inf`` would reach the learner."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and not math.isfinite(value):
+        within = f" {bounds}" if bounds else ""
+        raise ConfigError(f"{path}: must be a finite number{within}, got {value!r}; NaN and infinities are refused here")
 
 
 def _wrap(path: str, exc: Exception) -> ConfigError:
@@ -329,6 +355,104 @@ def to_dict(cfg: Any) -> Any:
     return str(cfg) if isinstance(cfg, PurePath) else cfg
 
 
+# ------------------------------------------------------------------------- reading YAML
+
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# YAML 1.1's int and float patterns less the sexagesimal forms (`1:30` was 90), plus
+# YAML 1.2's `0o` octal; a leading zero no longer means octal (see _construct_int).
+_INT = re.compile(r"""^(?:[-+]?0b[0-1_]*[0-1][0-1_]*
+                    |[-+]?0o[0-7_]*[0-7][0-7_]*
+                    |[-+]?0x[0-9a-fA-F_]*[0-9a-fA-F][0-9a-fA-F_]*
+                    |[-+]?[0-9][0-9_]*)$""", re.X)
+_FLOAT = re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?
+                    |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X)
+_BASES = {"0b": 2, "0o": 8, "0x": 16}
+MAX_ALIAS_NODES = 10_000
+"""Most nodes that aliases may add to a document once expanded. A real config repeats a
+block or two (``<<: *defaults``); a few hundred bytes of nested aliases (a "billion laughs")
+expand to 10**9 nodes, which every later walk over the config would visit."""
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """Base from the prefix only: `010` is ten, `0o10` eight, `0x10` sixteen, `0b10` two."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    digits = text.lstrip("+-")
+    base = _BASES.get(digits[:2].lower(), 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` for configs: numbers read as YAML 1.2 writes them (``010`` is
+    ten, ``0o10`` eight, ``1:30`` the string "1:30"), duplicate keys refused at any depth,
+    aliases bounded (:data:`MAX_ALIAS_NODES`) and never recursive. Refusals raise
+    :class:`ConfigError` with the dotted key and line, without the source's name."""
+
+    # Copies: the resolver table is a class attribute shared with yaml.SafeLoader.
+    yaml_implicit_resolvers = {
+        first: [(tag, {_INT_TAG: _INT, _FLOAT_TAG: _FLOAT}.get(tag, rx)) for tag, rx in pairs]
+        for first, pairs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    yaml_constructors = {**yaml.SafeLoader.yaml_constructors, _INT_TAG: _construct_int}
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            sizes: dict[int, int] = {}
+            expanded = self._expanded_size(node, "", sizes, set())
+            if expanded - len(sizes) > MAX_ALIAS_NODES:
+                raise ConfigError(f"aliases expand past the bound: {len(sizes)} written nodes would become {expanded} "
+                                  f"(aliases may add at most {MAX_ALIAS_NODES}); write the values out instead of "
+                                  "nesting aliases (*name) of anchored (&name) collections")
+        return node
+
+    def _expanded_size(self, node: yaml.Node, path: str, sizes: dict[int, int], open_: set[int]) -> int:
+        """Nodes under ``node`` with every alias expanded; an aliased node is walked (and its
+        keys checked) once, its size memoised in ``sizes`` by node id."""
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_:
+            raise ConfigError(f"{path or 'the document'} (line {node.start_mark.line + 1}): an alias refers to a "
+                              "collection that contains it; a config must not be recursive")
+        open_.add(id(node))
+        size = 1
+        if isinstance(node, yaml.SequenceNode):
+            size += sum(self._expanded_size(v, f"{path}[{i}]", sizes, open_) for i, v in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            for label, key, value in self._keys(node, path):
+                size += self._expanded_size(key, path, sizes, open_)
+                size += self._expanded_size(value, _join(path, label), sizes, open_)
+        open_.discard(id(node))
+        sizes[id(node)] = size
+        return size
+
+    def _keys(self, node: yaml.MappingNode, path: str) -> list[tuple[str, yaml.Node, yaml.Node]]:
+        """``(label, key node, value node)`` of a mapping; a key given twice is refused (PyYAML
+        keeps the last silently). Merge keys (``<<``) may override, as YAML says."""
+        seen: dict[Any, yaml.Node] = {}
+        rows = []
+        for key, value in node.value:
+            label = str(key.value) if isinstance(key, yaml.ScalarNode) else "<key>"
+            rows.append((label, key, value))
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            ident = self.construct_object(key)  # `10` and `010` are one key
+            if ident in seen:
+                raise ConfigError(f"duplicate key {_join(path, label)!r} at line {key.start_mark.line + 1} (first given at "
+                                  f"line {seen[ident].start_mark.line + 1}); give each key once")
+            seen[ident] = key
+        return rows
+
+
+def _safe_load(stream: Any) -> Any:
+    """One YAML document read by :class:`ConfigLoader`."""
+    try:
+        return yaml.load(stream, Loader=ConfigLoader)
+    except RecursionError:  # PyYAML composes recursively
+        raise ConfigError("nested too deeply to read (more than a few hundred levels)") from None
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`"a.b=3"` -> `("a.b", 3)`; the value is parsed as YAML, an empty value is `""`."""
     key, sep, raw = text.partition("=")
@@ -338,7 +462,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not raw.strip():
         return key, ""
     try:
-        return key, yaml.safe_load(raw)
+        return key, _safe_load(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"bad override {text!r}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"bad override {text!r}: value is not valid YAML: {exc}") from exc
 
@@ -359,11 +485,22 @@ def read_mapping(yaml_path: str | None) -> dict[str, Any]:
         return {}
     try:
         with open(yaml_path, encoding="utf-8") as fh:
-            loaded = yaml.safe_load(fh)
+            loaded = _safe_load(fh)
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {yaml_path}") from exc
+    except IsADirectoryError:
+        raise ConfigError(f"config file {yaml_path}: is a folder; give a YAML file (e.g. {yaml_path}/config.yaml)") from None
+    except PermissionError:
+        raise ConfigError(f"config file {yaml_path}: this user may not read it; fix its permissions or copy it") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {yaml_path}: not UTF-8 text (it holds the byte {exc.object[exc.start:exc.start + 1]!r}); "
+                          "give a YAML text file") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{yaml_path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{yaml_path}: invalid YAML: {exc}") from exc
+    except OSError as exc:  # e.g. a FIFO or device that fails to read
+        raise ConfigError(f"config file {yaml_path}: cannot be read: {exc.strerror or exc}") from None
     if loaded is None:  # an empty file overrides nothing
         return {}
     if not isinstance(loaded, Mapping):

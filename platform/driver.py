@@ -33,6 +33,7 @@ from raylane.placement import plan_when_free
 from raylane.plots import plot_run
 from raylane.policies import CheckpointPolicy, CheckpointStatus, Failure, FailurePolicy, ScalingPolicy, non_finite
 from raylane.preemption import NodeJoined, NodeLeaving, NodeLost, PreemptionMonitor
+from raylane.runlock import RunBusy, RunLock
 from raylane.runlog import Progress, RunLog
 from raylane.runlog import say as _say
 from raylane.runpaths import check_run_name
@@ -149,8 +150,16 @@ class Driver:
         # `raylane stop` / `ray job stop` send SIGTERM and Ctrl-C sends SIGINT: both end at
         # the next step boundary with a checkpoint instead of dying mid-step (Ray sends
         # SIGKILL a few seconds after SIGTERM; a second Ctrl-C aborts at once).
-        with SignalTap({signal.SIGTERM: self._on_sigterm, signal.SIGINT: self._on_sigint}) as self._signals:
-            return self._run()
+        try:
+            lock = RunLock(self.run_dir)
+            lock.acquire()  # before anything is read or written in the run folder
+        except RunBusy as exc:
+            raise DriverError(str(exc)) from None
+        try:
+            with SignalTap({signal.SIGTERM: self._on_sigterm, signal.SIGINT: self._on_sigint}) as self._signals:
+                return self._run(lock.took_over)
+        finally:
+            lock.release()
 
     def _on_ray_gone(self, why: str, started: float, runlog: RunLog) -> None:
         """The embedded Ray died under the driver (a signal to the whole process group
@@ -169,11 +178,14 @@ class Driver:
         _say(f"run {self.run_name!r} {state.value} at step {self.step}: {reason}")
         os._exit(143 if self._stop_reason else 1)
 
-    def _run(self) -> dict[str, Any]:
+    def _run(self, took_over: str | None = None) -> dict[str, Any]:
         from raylane import session
 
         started = time.time()
         runlog = RunLog(self.run_dir, tensorboard=self.config.tensorboard)
+        if took_over:
+            _say(took_over)
+            runlog.event("run_lock_taken_over", reason=took_over)
         unwatch = session.watch_embedded(lambda why: self._on_ray_gone(why, started, runlog),
                                          signalled=lambda: self._signals is not None and self._signals.stop_reason() is not None)
         store = CheckpointStore(self.config.store_uri(self.run_dir), keep=self.config.keep_checkpoints)
@@ -275,6 +287,8 @@ class Driver:
         if latest is not None:
             self._load(latest.step, state)
             self.resumed_from = latest.step
+            # The values the run had at that step: a run resumed where it already ends keeps them in its summary.
+            self.last_metrics = runlog.last_metrics(latest.step)
             runlog.event("resume", step=latest.step, path=latest.path)
             _say(f"resuming run {self.run_name!r} from step {latest.step} (checkpoint {latest.path})")
         else:
@@ -313,7 +327,9 @@ class Driver:
         return bool(self.config.max_wall_s) and time.time() - started >= self.config.max_wall_s
 
     def _check_finite(self, metrics: dict[str, Any]) -> None:
-        if (bad := non_finite(metrics, self.workload.guarded_metrics)) is not None:
+        # The main metric is guarded too: a run whose headline number is NaN has not "finished".
+        guarded = tuple(dict.fromkeys((*self.workload.guarded_metrics, self.workload.main_metric)))
+        if (bad := non_finite(metrics, guarded)) is not None:
             raise NonFiniteError(f"metric {bad[0]!r} is {bad[1]} at step {self.step + 1}; the step's update was not checkpointed. "
                                  f"{self._ckpt_hint()} Lower the learning rate or check the inputs, then run again with the same run name.")
 
@@ -361,11 +377,17 @@ class Driver:
                 self._to(State.FAILED, decision.reason)
                 raise DriverError(f"run {self.run_name!r} failed at step {self.step}: {decision.reason}\n{self._ckpt_hint()}") from exc
             try:
+                # No call of the failed step may run after the rollback (on a replacement
+                # above all): it would change the state the checkpoint is about to restore.
+                for pool in self.workload.pools().values():
+                    pool.abandon()
                 self._ctx.cluster = self._cluster_source()
                 self.workload.recover(self._ctx, exc)
                 latest, state, _ = self._newest_checkpoint()
                 if latest is not None:
                     self._load(latest.step, state)
+                for pool in self.workload.pools().values():
+                    pool.restored()
                 break
             except Exception as again:  # noqa: BLE001 - judged by the policy on the next turn
                 exc = again

@@ -43,13 +43,32 @@ def load_module(where: str, target: str, what: str) -> ModuleType:
     folder included, as ``python -m`` would). Ships it by value if it is not installed."""
     if where.endswith(".py") or "/" in where or "\\" in where:
         module = _import_file(Path(where), target, what)
-    else:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
-        try:
-            module = importlib.import_module(where)
-        except Exception as exc:  # noqa: BLE001 - any error importing the user's module is theirs to fix
-            raise ImportPathError(f"{what} {target!r}: importing module {where!r} failed: {first_line(exc)}") from None
+        ship(module)
+        return module
+    try:
+        return import_module(where)
+    except Exception as exc:  # noqa: BLE001 - any error importing the user's module is theirs to fix
+        raise ImportPathError(f"{what} {target!r}: importing module {where!r} failed: {first_line(exc)}") from None
+
+
+def cwd_on_path() -> None:
+    """Put the current working folder first on ``sys.path`` unless it is there already (as
+    ``""`` or by name). ``python -m raylane`` has it; the ``raylane`` console script has its
+    own bin folder there instead, so ``examples.gridworld`` would not import from the
+    project's folder. Ray puts the driver's working folder on every worker's path too
+    (``ray.init``'s ``py_driver_sys_path``), so a worker imports what the driver imported."""
+    cwd = str(Path.cwd())
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def import_module(name: str) -> ModuleType:
+    """The user's dotted module ``name`` (an env module, a wrapper's, a factory's), imported
+    as ``python -m`` would: from ``sys.path`` with the current folder on it
+    (:func:`cwd_on_path`), then shipped by value if it is not installed (:func:`ship`).
+    Raises what the import raises."""
+    cwd_on_path()
+    module = importlib.import_module(name)
     ship(module)
     return module
 

@@ -18,6 +18,7 @@ from raylane import config as cfg
 from raylane import runconfig
 from raylane.join import ConnectError
 from raylane.registry import JobSpec
+from raylane.runlock import RunBusy, RunLock
 from raylane.runpaths import RunPathError, check_run_name
 
 
@@ -52,9 +53,7 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
     A run name that already has a run folder resumes that run, if ``conf`` is the config
     it started with; otherwise this refuses (naming the keys) unless ``new`` (a fresh run
     under a free name) or ``resume_with_changes`` (continue with the new values, listed)."""
-    from raylane import session
-    from raylane.driver import Driver, default_run_name
-    from raylane.runlog import RunLog
+    from raylane.driver import default_run_name
     from raylane.runlog import say as _say
 
     try:
@@ -67,7 +66,30 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
         conf.driver.run_name = runconfig.next_free_name(runs, name)
         _say(f"run {name!r} exists; --new starts a fresh run named {conf.driver.run_name!r}")
     run_dir = runs / conf.driver.run_name
+    # Held from before the record is read to the run's end: a second run under this name is
+    # refused here, before it writes anything (the driver takes the same lock again).
+    try:
+        lock = RunLock(run_dir)
+        lock.acquire()
+    except RunBusy as exc:
+        raise cfg.ConfigError(str(exc)) from None
+    try:
+        return _run_locked(spec, conf, run_dir, name, address=address, dashboard=dashboard, resume_with_changes=resume_with_changes)
+    finally:
+        lock.release()
+
+
+def _run_locked(spec: JobSpec, conf: Any, run_dir: Path, name: str, *, address: str | None, dashboard: bool, resume_with_changes: bool) -> dict:
+    from raylane import session
+    from raylane.driver import Driver
+    from raylane.runlog import RunLog
+    from raylane.runlog import say as _say
+
     changes = runconfig.check_resume(spec.name, conf, run_dir, accept_changes=resume_with_changes)
+    if not changes and (done := runconfig.finished_summary(run_dir)) is not None:
+        _say(f"run {conf.driver.run_name!r} finished at step {done.get('steps')}; its files are left as they are. To train it further, "
+             f"run it again with --resume-with-changes and a higher driver.max_steps (now {conf.driver.max_steps}); --new starts a fresh run")
+        return done
     workload = build_workload(spec, conf)
     runconfig.write_record(spec.name, conf, run_dir)
     if changes or conf.driver.run_name != name:

@@ -9,6 +9,8 @@ not packaged is named by where it is: ``path/to/file.py:NAME`` or ``package.modu
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import difflib
 from dataclasses import dataclass
@@ -73,6 +75,20 @@ def get(name: str) -> JobSpec:
     close = difflib.get_close_matches(name, list(jobs), n=3)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise UnknownJobError(f"unknown job {name!r}.{hint} Jobs: {', '.join(jobs) or 'none installed'} (see `raylane jobs`).")
+
+
+def portable_target(target: str) -> str:
+    """``target`` as another process with another working folder finds it: a job file's
+    path made absolute (``jobs/my_job.py:JOB`` -> ``/home/me/proj/jobs/my_job.py:JOB``);
+    registered names and ``package.module:NAME`` unchanged.
+
+    >>> portable_target("linreg")
+    'linreg'
+    """
+    where, sep, attr = target.rpartition(":")
+    if not sep or not where.endswith(".py"):
+        return target
+    return f"{os.path.abspath(os.path.expanduser(where))}:{attr}"
 
 
 def load_spec(target: str) -> JobSpec:

@@ -87,3 +87,12 @@ def write_record(job: str, conf: Any, run_dir: Path) -> None:
     tmp = run_dir / f"{RECORD}.tmp"
     tmp.write_text(json.dumps({"job": job, "config": cfg.to_dict(conf)}, indent=1, default=str) + "\n")
     tmp.replace(run_dir / RECORD)
+
+
+def finished_summary(run_dir: Path) -> dict | None:
+    """The summary of a run that finished (``summary.json`` with state ``finished``), else None."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("state") == "finished" else None

@@ -76,6 +76,12 @@ class RunLog:
             self.event("metrics_rewound", step=step, discarded=len(gone), reason=reason)
         return len(gone)
 
+    def last_metrics(self, step: int) -> dict[str, Any]:
+        """The newest row of ``step`` in ``metrics.jsonl``, without its step and time ({} if none)."""
+        self._metrics.flush()
+        rows = [r for r in read_jsonl(self.dir / "metrics.jsonl") if r.get("step") == step]
+        return {k: v for k, v in rows[-1].items() if k not in ("step", "time")} if rows else {}
+
     def event(self, kind: str, **data: Any) -> None:
         self._events.write(json.dumps({"time": time.time(), "event": kind, **_clean(data)}) + "\n")
 

@@ -57,12 +57,25 @@ def trial_row(run_dir: Path, metric: str, mode: str, state: str | None = None) -
 
 
 def rows(trials_dir: Path, metric: str, mode: str, states: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """Every trial's row, best first (trials without a value of the metric last)."""
+    """Every trial's row, best first (trials without a value of the metric last; none when
+    no trial got as far as making its folder)."""
     states = states or {}
-    out = [trial_row(d, metric, mode, states.get(d.name)) for d in sorted(Path(trials_dir).iterdir()) if d.is_dir()]
+    found = sorted(Path(trials_dir).iterdir()) if Path(trials_dir).is_dir() else []
+    out = [trial_row(d, metric, mode, states.get(d.name)) for d in found if d.is_dir()]
     key = f"best_{metric}"
     sign = -1.0 if mode == "max" else 1.0
     return sorted(out, key=lambda r: (r[key] is None, sign * (r[key] or 0.0), r["trial"]))
+
+
+def failed_row(trial: str, error: str, metric: str) -> dict[str, Any]:
+    """The row of a trial that failed before it had a run folder: its error, no values."""
+    return {"trial": trial, f"best_{metric}": None, f"last_{metric}": None, "steps": 0, "state": "error", "restarts": 0, "exploits": 0,
+            "resumed_from": [], "failures_recovered": 0, "wall_s": 0.0, "run_dir": None, "error": error}
+
+
+def best(table: Sequence[Mapping[str, Any]], metric: str) -> Mapping[str, Any] | None:
+    """The best trial that did not fail (the table is best first), or None: an errored trial is never the best."""
+    return next((r for r in table if r[f"best_{metric}"] is not None and r["state"] != "error"), None)
 
 
 def command_line(job: str, fixed: Sequence[str], config_file: str | None, row: Mapping[str, Any]) -> str:
@@ -103,7 +116,7 @@ def plot_trials(folder: Path, table: list[dict[str, Any]], metric: str) -> Path 
         from raylane.plots import plot_filename
 
         series = []
-        for r in table:
+        for r in (r for r in table if r["run_dir"]):
             pts = [(m["time"], float(m[metric])) for m in read_jsonl(Path(r["run_dir"]) / "metrics.jsonl") if _num(m.get(metric)) is not None]
             if pts:
                 series.append((r["trial"], pts))

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from raylane import config as cfg
+from raylane.errors import short_error
 from raylane.tune_space import SearchSpaceError, Spec, check_space, flatten, trial_config, trial_count
 
 SCHEDULERS = ("none", "asha", "pbt")
@@ -233,7 +234,7 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
     from ray.tune import schedulers
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    from raylane import session
+    from raylane import registry, session
     from raylane.cluster import MARKET_LABEL
     from raylane.tune_trial import RaylaneTrial, TrialPlan
 
@@ -252,7 +253,8 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
            config_file=s.config_file, metric=prep.metric, mode=prep.mode, trials=prep.n_trials, concurrency=s.concurrency,
            scheduler=s.scheduler, grace_steps=s.grace_steps, perturbation_interval=s.perturbation_interval, pbt_synch=s.pbt_synch,
            max_failures=s.max_failures, trial_cpus=s.trial_cpus, seed=s.seed, decided=list(prep.notes))
-    plan = TrialPlan(job=s.job, overrides=tuple(s.overrides), config_file=None if s.config_file is None else str(Path(s.config_file).resolve()),
+    # Trials run in Tune's own working folders: a job file named relative to this one is made absolute.
+    plan = TrialPlan(job=registry.portable_target(s.job), overrides=tuple(s.overrides), config_file=None if s.config_file is None else str(Path(s.config_file).resolve()),
                      runs_root=str(folder / "trials"), metric=prep.metric)
     # the trial's own process never on spot: a label selector on its one bundle ("!spot" also takes unlabelled nodes)
     resources = tune.PlacementGroupFactory([{"CPU": s.trial_cpus}], bundle_label_selector=[{MARKET_LABEL: "!spot"}])
@@ -324,12 +326,27 @@ def tune(search: Search, *, address: str | None = None, say: Any = print) -> tup
 
     prep = prepare(search)
     grid = run_search(prep, address=address, say=say)
-    states = {r.metrics.get("trial_id"): "error" for r in grid if r.error is not None and r.metrics}
+    errors = {_trial_id(r): short_error(r.error) for r in grid if r.error is not None}
     folder = search_folder(prep.search)
-    table = tune_results.rows(folder / "trials", prep.metric, prep.mode, states)
+    table = tune_results.rows(folder / "trials", prep.metric, prep.mode, {t: "error" for t in errors})
+    for row in table:
+        row["error"] = errors.get(row["trial"])
+    seen = {row["trial"] for row in table}
+    # A trial that failed before its run folder was made still has a row: its error.
+    table += [tune_results.failed_row(t, why, prep.metric) for t, why in sorted(errors.items()) if t not in seen]
     files = tune_results.write(folder, table, prep.metric)
     counts: dict[str, int] = {}
     for row in table:
         counts[row["state"]] = counts.get(row["state"], 0) + 1
-    _event(folder, "tune_end", states=counts, best=table[0]["trial"] if table else None, files={k: str(v) for k, v in files.items()})
+    best = tune_results.best(table, prep.metric)
+    _event(folder, "tune_end", states=counts, best=None if best is None else best["trial"], files={k: str(v) for k, v in files.items()})
     return prep, table, files
+
+
+def _trial_id(result: Any) -> str:
+    """A Tune result's trial id (from its metrics, else its folder's name, which ends with it)."""
+    if result.metrics and result.metrics.get("trial_id"):
+        return str(result.metrics["trial_id"])
+    name = Path(str(result.path)).name  # e.g. RaylaneTrial_3f2a1_00001_1_lr=0.1_2026-...: Tune's trial id is its 2nd and 3rd parts
+    parts = name.split("_")
+    return "_".join(parts[1:3]) if len(parts) > 2 else name

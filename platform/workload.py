@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import pyarrow as pa
+import pyarrow.fs as pafs
+
 from raylane import config as cfg
 from raylane.checkpoint import CheckpointStore
 from raylane.cluster import ClusterView
@@ -36,6 +39,29 @@ class RunAborted(DriverError):
 
 class NonFiniteError(DriverError):
     """A guarded metric (a loss) became NaN or infinite."""
+
+
+# Schemes pyarrow.fs opens by contacting a service (a bucket's region, a namenode): taken on
+# their name, so validating a config makes no network call; a wrong bucket fails on first use.
+REMOTE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+_WORKS = "a local folder, file://, s3://, gs:// (or gcs://), hdfs://, abfs:// (as this pyarrow supports them)"
+
+
+def check_uri_scheme(uri: str, what: str) -> None:
+    """Refuse a URI whose scheme ``pyarrow.fs`` cannot open (``nosuchfs://b/x``, ``S3://``)
+    before Ray starts, naming ``what``, the scheme and what works; local paths pass.
+
+    >>> check_uri_scheme("s3://bucket/ckpt", "checkpoint_uri")
+    """
+    scheme, sep, _ = uri.partition("://")
+    if not sep or scheme in REMOTE_SCHEMES:
+        return
+    try:
+        pafs.FileSystem.from_uri(uri)  # local schemes only here (file://, local://): no network
+    except pa.ArrowInvalid as exc:
+        if "Unrecognized filesystem type" in str(exc):
+            raise ValueError(f"{what}={uri!r}: pyarrow.fs cannot open the scheme {scheme!r}; use {_WORKS}") from None
+        raise ValueError(f"{what}={uri!r}: pyarrow.fs cannot open it ({exc}); use {_WORKS}") from None
 
 
 @dataclass
@@ -82,6 +108,8 @@ class DriverConfig:
     def validate(self) -> None:
         if self.run_name is not None:
             check_run_name(self.run_name, "run_name")
+        if self.checkpoint_uri is not None:
+            check_uri_scheme(self.checkpoint_uri, "checkpoint_uri")
 
     def store_uri(self, run_dir: Any) -> str:
         """Where this run's checkpoints go (see ``checkpoint_uri``)."""
@@ -151,7 +179,8 @@ class BaseWorkload:
     name: str = "workload"
     main_metric: str = "loss"
     guarded_metrics: tuple[str, ...] = ()
-    """Metrics that must stay finite; a NaN or infinity stops the run naming the metric."""
+    """Metrics that must stay finite besides ``main_metric`` (always guarded); a NaN or
+    infinity stops the run naming the metric."""
 
     metrics: tuple[str, ...] = ()
     """The numbers the job reports (empty: not declared), some perhaps only at some steps

@@ -258,6 +258,12 @@ class Membership:
                 ray.kill(m.handle, no_restart=True)
             self._members.clear()
 
+    def abandon(self) -> None:
+        """Give up the work of a failed step (a task pool drops its tickets); nothing to do for a group without a queue."""
+
+    def restored(self) -> None:
+        """The run has restored the group's state after a failure (a task pool of a stateful role takes calls again)."""
+
     # ---------------------------------------------------------------- for the kinds built on it
 
     def _left(self, m: Member, reason: str) -> None:

@@ -95,6 +95,9 @@ class TaskPool(Membership):
         self._tickets: dict[int, _Ticket] = {}
         self._queue: deque[int] = deque()
         self._lost_last: list[int] = []
+        # Set when an actor of a stateful role is lost: its replacement holds no state until
+        # the run restores it (restored()), so no ticket may reach it before then.
+        self._stale: str | None = None
         super().__init__(role, actor_cls, actor_args=actor_args, size=size, placer=placer,
                          max_start_failures=max_start_failures, start_timeout_s=start_timeout_s)
 
@@ -108,6 +111,8 @@ class TaskPool(Membership):
         """
         with self._lock:
             self._check_open()
+            if self._stale is not None:
+                raise self._named(PoolError(f"{self._stale}; no call goes to its replacement before the run restores its state"))
             tid = next(self._tickets_ids)
             self._tickets[tid] = _Ticket(tid, method, args, kwargs, retry)
             self._queue.append(tid)
@@ -142,6 +147,11 @@ class TaskPool(Membership):
 
     def _gather(self, tickets: list[int], timeout_s: float, partial: bool) -> dict[int, Any]:
         deadline = time.monotonic() + timeout_s
+        with self._lock:
+            abandoned = [t for t in tickets if t not in self._tickets]
+            tickets = [t for t in tickets if t in self._tickets]
+        if abandoned and not partial:
+            raise PoolError(f"{len(abandoned)} call(s) were abandoned (their step failed, or they were cancelled): gather new ones")
         while True:
             with self._lock:
                 pending = [t for t in tickets if not self._tickets[t].done and self._tickets[t].lost is None]
@@ -176,7 +186,7 @@ class TaskPool(Membership):
             if not partial and lost:
                 reasons = {self._tickets[t].lost for t in lost}
                 raise PoolError(f"{len(lost)} call(s) were lost with their actors: {'; '.join(sorted(reasons))}")
-            self._lost_last = lost
+            self._lost_last = lost + abandoned
             return out
 
     def poll(self, wait_s: float = 0.0) -> None:
@@ -199,6 +209,19 @@ class TaskPool(Membership):
     def cancel(self, tickets: Iterable[int]) -> None:
         """Give up tickets without waiting: queued ones never run, running results are dropped."""
         self._forget(tickets)
+
+    def abandon(self) -> None:
+        """Give up every ticket not yet done: queued ones never run, results of running ones
+        are dropped. The driver calls it when a step fails, so that no call of that step
+        reaches an actor (a replacement above all) after the run has been rolled back."""
+        with self._lock:
+            self._forget(list(self._tickets))
+
+    def restored(self) -> None:
+        """The run has restored this pool's state (a stateful role's replacement loaded the
+        checkpoint): tickets may be submitted again."""
+        with self._lock:
+            self._stale = None
 
     def lost(self) -> list[int]:
         """Tickets of the last partial gather that were given up (their actor died, retry=False)."""
@@ -271,6 +294,17 @@ class TaskPool(Membership):
     # ---------------------------------------------------------------- membership hooks
 
     def _left(self, m: Member, reason: str) -> None:
+        if self.role.stateful:
+            # The actor's state went with it and its replacement starts empty: retrying a
+            # call there (or running the next queued one) would train a fresh model as if
+            # nothing happened. Every unfinished call is lost, and the pool takes no new
+            # ones until the run has restored the state (restored()).
+            self._stale = f"actor {m.name} of stateful role {self.role.name!r} was lost ({reason})"
+            for tk in self._tickets.values():
+                if not tk.done and tk.lost is None and tk.error is None:
+                    tk.lost = f"{tk.method!r}: {self._stale}"
+            self._queue.clear()
+            return
         for tid in reversed(m.held()):  # requeued in their original order
             tk = self._tickets.get(tid)
             if tk is not None and not tk.done:

@@ -80,6 +80,56 @@ def test_a_reused_run_name_resumes_only_its_own_config(ray_local, tmp_path, capf
     assert "--new starts a fresh run named 'lin-2'" in capfd.readouterr().err
 
 
+def test_a_finished_run_asked_again_says_so_and_leaves_its_files_untouched(ray_local, tmp_path, capfd):
+    from raylane.launch import load_job_config, run_job
+    from raylane.registry import get
+
+    spec = get("linreg")
+    base = [f"driver.runs_dir={tmp_path}", "driver.max_steps=5", "driver.progress=false", "driver.tensorboard=false"]
+    first = run_job(spec, load_job_config(spec, overrides=base, run_name="done"))
+    assert first["state"] == "finished" and first["final_metrics"] and first["checkpoints_written"] > 0
+    folder = tmp_path / "done"
+    before = {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
+    again = run_job(spec, load_job_config(spec, overrides=base, run_name="done"))
+    assert again == first
+    assert "run 'done' finished at step 5; its files are left as they are" in capfd.readouterr().err
+    after = {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    # Asked to go on with a change that does not extend it (a new lr, the same max_steps): it
+    # resumes where it ended and its summary keeps the values it had there.
+    same = run_job(spec, load_job_config(spec, overrides=[*base, "lr=0.4"], run_name="done"), resume_with_changes=True)
+    assert same["steps"] == 5 and same["resumed_from"] == 5
+    assert same["final_metrics"]["loss"] == first["final_metrics"]["loss"], (same, first)
+
+
+def test_a_second_run_under_a_busy_name_is_refused_naming_the_holder(ray_local, tmp_path):
+    from raylane import config as cfg
+    from raylane.launch import load_job_config, run_job
+    from raylane.registry import get
+    from raylane.runlock import RunLock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from raylane.runlock import RunLock; "
+                               "l = RunLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(60)", str(tmp_path / "busy")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        spec = get("linreg")
+        conf = load_job_config(spec, overrides=[f"driver.runs_dir={tmp_path}", "driver.max_steps=3", "driver.progress=false"], run_name="busy")
+        with pytest.raises(cfg.ConfigError, match=rf"in use by process {holder.pid} on host"):
+            run_job(spec, conf)
+        assert not (tmp_path / "busy" / "config.json").exists() and not (tmp_path / "busy" / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    # Killed while holding it: the next run takes the folder over and says so.
+    summary = run_job(spec, conf)
+    assert summary["state"] == "finished"
+    taken = [e for e in read_jsonl(tmp_path / "busy" / "events.jsonl") if e["event"] == "run_lock_taken_over"]
+    assert taken and f"process {holder.pid}" in taken[0]["reason"]
+    with RunLock(tmp_path / "busy") as lock:  # released cleanly at the run's end: nothing to take over now
+        assert lock.took_over is None
+
+
 def test_more_workers_than_the_cluster_holds_is_said_and_logged_with_what_is_missing(ray_local, tmp_path, capfd):
     from raylane.launch import load_job_config, run_job
     from raylane.registry import get

@@ -3,7 +3,9 @@ API (``raylane.api``) and, as a file of their own, through ``raylane run path.py
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +82,56 @@ def test_raylane_run_takes_a_file_and_its_workers_import_it_by_value(tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "dp_classifier: finished after 3 steps" in out.stdout, out.stdout
+
+
+def installed_raylane() -> str:
+    """The console script ``pip install`` made (not ``python -m raylane``): its sys.path[0]
+    is its bin folder, not the folder it is run from."""
+    script = Path(sys.executable).parent / "raylane"
+    found = str(script) if script.exists() else shutil.which("raylane")
+    assert found, "no raylane console script next to this Python or on PATH"
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_the_installed_raylane_command_trains_the_readmes_env_of_a_users_module(tmp_path):
+    """README: `raylane run ppo --set env_id=examples.gridworld:Gridworld-v0` from the folder
+    holding examples/. The driver imports the module from its working folder, and the rollout
+    workers (other processes) import it too: both made the user's env."""
+    env = {**os.environ, "PYTHONPATH": ""}
+    cmd = [installed_raylane(), "run", "ppo", "--set", "env_id=examples.gridworld:Gridworld-v0", "--no-progress",
+           "--set", "workers=1", "--set", "envs_per_worker=2", "--set", "rollout_steps=32", "--set", "plot=false",
+           "--set", f"driver.runs_dir={tmp_path / 'runs'}", "--set", "driver.run_name=grid", "--set", "driver.max_steps=2",
+           "--set", "driver.tensorboard=false", "--set", "driver.progress=false"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "grid" / "summary.json").read_text())
+    assert summary["state"] == "finished" and summary["steps"] == 2, summary
+    assert summary["final_metrics"]["env_steps"] == 2 * 2 * 32, summary["final_metrics"]  # the worker stepped the env
+    seeds = [e for e in read_jsonl(tmp_path / "runs" / "grid" / "events.jsonl") if e["event"] == "worker_seeds"]
+    assert seeds and all(e["env"] == "examples.gridworld:Gridworld-v0" for e in seeds)
+
+
+def test_a_users_env_reaches_a_process_that_cannot_import_its_module(tmp_path, monkeypatch):
+    """A rollout worker on another node has no examples/ to import: the recipe the driver hands
+    the workers carries the env's class by value, as a job file's classes travel."""
+    from ray import cloudpickle
+
+    from raylane.jobs.ppo import PPOConfig
+    from raylane.jobs.rl_env import resolve
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(ROOT))])
+    conf = PPOConfig(env_id="examples.gridworld:Gridworld-v0", env_kwargs={"size": 3}, target_return=None, plot=False)
+    recipe, _, spec = resolve(conf)
+    assert recipe.env_id == "examples.gridworld:Gridworld-v0" and spec.obs_dim == 2 and recipe.spec is not None
+    probe = ("import sys; from ray import cloudpickle; from raylane.actors.envs import build; "
+             "env = build(cloudpickle.loads(sys.stdin.buffer.read())); env.reset(seed=0); "
+             "print(type(env.unwrapped).__name__, env.unwrapped.size, 'examples.gridworld' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], input=cloudpickle.dumps(recipe), cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": ""}, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    assert out.stdout.decode().split() == ["Gridworld", "3", "False"]  # made from the class sent, not imported by name
 
 
 def test_ppo_trains_the_examples_own_gymnasium_env_named_by_module_and_id(ray_at_root, tmp_path):

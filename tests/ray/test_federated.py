@@ -123,7 +123,7 @@ def launch(tmp_path, name: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-@pytest.mark.slow  # long (30-45 s); the default run keeps this job's other fault tests
+# 30-45 s, in the default run: the exactness of a resume is a promise of the README
 def test_a_sigkilled_server_resumes_exactly_from_its_last_checkpoint(ray_local, tmp_path):
     """The driver (the server), its embedded Ray and its client actors SIGKILLed mid-run; run
     again, it resumes at its last checkpoint and ends with the weights of a run never killed."""

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from raylane.checkpoint import CheckpointStore
 from raylane.driver import Driver, DriverConfig
@@ -30,6 +31,23 @@ def make(tmp_path, name, **kw) -> tuple[ImpalaWorkload, Driver]:
     workload = ImpalaWorkload(conf)
     return workload, Driver(workload, conf.driver)
 
+
+
+def watch_restores(workload) -> list[bool]:
+    """After each load_state_dict (a recovery's reload of the checkpoint), whether the
+    learner now holds exactly the checkpoint's weights, version and optimizer state."""
+    held: list[bool] = []
+    original = workload.load_state_dict
+
+    def load_state_dict(state):
+        original(state)
+        now, want = workload._learner_call("state"), state["learner"]
+        held.append(now["version"] == want["version"] and now["optimizer"] == want["optimizer"]
+                    and now["params"].keys() == want["params"].keys()
+                    and all(torch.equal(torch.as_tensor(now["params"][k]), torch.as_tensor(want["params"][k])) for k in want["params"]))
+
+    workload.load_state_dict = load_state_dict
+    return held
 
 def test_impala_solves_cartpole_within_a_step_budget(ray_local, tmp_path):
     workload, driver = make(tmp_path, "solve", total_env_steps=500_000)
@@ -86,9 +104,11 @@ def test_a_learner_killed_mid_step_is_replaced_and_resumes_from_the_last_checkpo
         learner = workload.learner.handles()[0]
         os.kill(ray.get(learner.info.remote(), timeout=30)["pid"], signal.SIGKILL)
 
+    restored = watch_restores(workload)
     run = drive(workload, driver, during=kill, join_s=30)
     summary, events, steps = run.summary, run.events, run.steps
     assert summary["state"] == "finished" and summary["failures_recovered"] == 1
+    assert restored == [True], restored  # the replacement holds the checkpoint, not fresh weights
     failure = next(e for e in events if e["event"] == "failure")
     ckpts_before = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
     resumed = next(e for e in events[events.index(failure):] if e["event"] == "state" and e["state"] == "running")

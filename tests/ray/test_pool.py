@@ -226,3 +226,72 @@ def test_calls_queued_at_a_killed_actor_without_retry_are_reported_lost(ray_loca
         assert len(got) == len(pool.lost()) == 3, (got, pool.lost())  # the killed actor's running call and the two behind it
     finally:
         pool.shutdown()
+
+
+@ray.remote
+class Ledger:
+    """A stateful actor that records, in order, every call it ran."""
+
+    def __init__(self, key: int):
+        self.key, self.ran = key, []
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def train(self, x: int) -> int:
+        time.sleep(0.2)
+        self.ran.append(x)
+        return x
+
+    def load(self, ran: list) -> None:
+        self.ran = list(ran)
+
+    def history(self) -> list:
+        return list(self.ran)
+
+
+def test_no_call_of_an_abandoned_step_reaches_a_stateful_replacement(ray_local):
+    """A stateful actor killed with calls queued for it (in its own queue and in the
+    pool's): those calls are lost, not retried on the empty replacement; the pool refuses
+    new calls until the state is restored; after abandon() and restored() the replacement
+    runs exactly the calls made after the restore."""
+    pool = TaskPool(RoleSpec("trainer", {"CPU": 0.5}, count=1, stateful=True), Ledger, actor_args=lambda k: ((k,), {}),
+                    size=1, queue_depth=2, call_timeout_s=60)
+    try:
+        pool.wait_ready(timeout_s=60)
+        pid = pool.call_one("pid", timeout_s=30)
+        step = [pool.submit("train", x, retry=False) for x in range(6)]  # 2 at the actor, 4 in the pool's queue
+        first = pool.gather(step[:1], timeout_s=30)
+        assert first == {step[0]: 0}
+        os.kill(pid, signal.SIGKILL)  # while it runs the step's second call
+        with pytest.raises(PoolError):
+            pool.gather(step[1:2], timeout_s=30)
+        pool.wait_for(1, timeout_s=60)  # the replacement is up, and has run nothing
+        with pytest.raises(PoolError, match="stateful role 'trainer' was lost"):
+            pool.submit("train", 100)  # before its state is restored
+        pool.abandon()  # what the driver does when a step fails
+        pool.call_one("load", [0], timeout_s=30)  # the checkpoint
+        pool.restored()
+        after = [pool.submit("train", x) for x in (10, 11)]
+        assert pool.gather(after, timeout_s=30) == {after[0]: 10, after[1]: 11}
+        time.sleep(0.5)  # anything of the abandoned step would have run by now
+        assert pool.call_one("history", timeout_s=30) == [0, 10, 11]
+        with pytest.raises(PoolError, match="abandoned"):
+            pool.gather(step[2:], timeout_s=5)
+    finally:
+        pool.shutdown()
+
+
+def test_abandon_drops_queued_calls_of_a_stateless_pool(ray_local):
+    pool = TaskPool(RoleSpec("trainer", {"CPU": 0.5}, count=1), Ledger, actor_args=lambda k: ((k,), {}), size=1, queue_depth=1, call_timeout_s=60)
+    try:
+        pool.wait_ready(timeout_s=60)
+        dropped = [pool.submit("train", x) for x in range(5)]
+        pool.abandon()
+        kept = pool.submit("train", 99)
+        assert pool.gather([kept], timeout_s=30) == {kept: 99}
+        history = pool.call_one("history", timeout_s=30)
+        assert history[-1] == 99 and len(history) <= 2, history  # at most the call already running when abandoned
+        assert pool.gather(dropped, timeout_s=5, partial=True) == {} and sorted(pool.lost()) == dropped
+    finally:
+        pool.shutdown()

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import ray
+import torch
 
 from raylane.checkpoint import CheckpointStore
 from raylane.driver import Driver, DriverConfig, NonFiniteError
@@ -28,6 +29,23 @@ def make(tmp_path, name, **kw) -> tuple[PPOWorkload, Driver]:
     workload = PPOWorkload(conf)
     return workload, Driver(workload, conf.driver)
 
+
+
+def watch_restores(workload) -> list[bool]:
+    """After each load_state_dict (a recovery's reload of the checkpoint), whether the
+    learner now holds exactly the checkpoint's weights, version and optimizer state."""
+    held: list[bool] = []
+    original = workload.load_state_dict
+
+    def load_state_dict(state):
+        original(state)
+        now, want = workload._learner_call("state"), state["learner"]
+        held.append(now["version"] == want["version"] and now["optimizer"] == want["optimizer"]
+                    and now["params"].keys() == want["params"].keys()
+                    and all(torch.equal(torch.as_tensor(now["params"][k]), torch.as_tensor(want["params"][k])) for k in want["params"]))
+
+    workload.load_state_dict = load_state_dict
+    return held
 
 def test_ppo_solves_cartpole_within_a_step_budget(ray_local, tmp_path):
     workload, driver = make(tmp_path, "solve", total_env_steps=150_000)
@@ -140,12 +158,14 @@ def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_l
         with pytest.raises(ray.exceptions.RayActorError):  # dead before step 13 calls it
             ray.get(learner.info.remote(), timeout=30)
 
+    restored = watch_restores(workload)
     if when == "in_a_step":
         run = drive(workload, driver, during=kill, join_s=30)
     else:
         run = drive(workload, driver, at={13: kill_idle})
     summary, events, steps = run.summary, run.events, run.steps
     assert summary["state"] == "finished" and summary["failures_recovered"] == 1
+    assert restored == [True], restored  # the replacement holds the checkpoint, not fresh weights
     failure = next(e for e in events if e["event"] == "failure")
     ckpts_before = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
     resumed = next(e for e in events[events.index(failure):] if e["event"] == "state" and e["state"] == "running")

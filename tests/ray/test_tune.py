@@ -110,8 +110,15 @@ def test_pbt_exploit_continues_from_the_donors_checkpoint(ray_tune, tmp_path):
             end = nxt["time"] if nxt else float("inf")
             after = [m for m in mine if ev["time"] < m["time"] < end]
             assert after and after[0]["step"] == at + 1, (ev, after[:3])
-            donor_at = [m["loss"] for m in _all_rows(by_trial[donor]) if m["step"] == at and m["time"] < ev["time"]]
-            assert donor_at and after[0]["loss"] <= donor_at[-1] * 1.01
+            donor_rows = _all_rows(by_trial[donor])
+            donor_at = [m for m in donor_rows if m["step"] == at and m["time"] < ev["time"]]
+            assert donor_at and after[0]["loss"] <= donor_at[-1]["loss"] * 1.01
+            # linreg reports the loss of the weights a step starts from: the exploited trial's
+            # first step starts from the donor's weights of step `at`, as the donor's own next
+            # step did, so the two losses are the same number (whatever lr each then applied).
+            donor_next = [m["loss"] for m in donor_rows if m["step"] == at + 1 and m["time"] > donor_at[-1]["time"]]
+            assert donor_next and after[0]["loss"] == donor_next[0], (after[0], donor_next)
+            donor_at = [m["loss"] for m in donor_at]
             own_at = [m["loss"] for m in mine if m["step"] == at and m["time"] < ev["time"]]
             if own_at and own_at[-1] > donor_at[-1] * 1.05:  # the trial's own weights were worse: it left them
                 assert after[0]["loss"] < own_at[-1]
@@ -157,3 +164,74 @@ def test_a_trial_whose_driver_is_sigkilled_is_restarted_from_its_newest_checkpoi
     assert len(starts) == 2 and starts[0]["pid"] == killed["pid"] != starts[1]["pid"]
     steps = [m["step"] for m in read_jsonl(os.path.join(row["run_dir"], "metrics.jsonl"))]
     assert steps == list(range(1, 31))  # one row per step: the replayed ones replaced
+
+
+USER_JOB = '''
+from dataclasses import dataclass, field
+from raylane.api import BaseWorkload, DriverConfig, JobSpec
+
+
+@dataclass
+class Config:
+    """A job with no actors: a loss that falls by lr a step."""
+
+    lr: float = 0.1
+    """Step size."""
+    fail: bool = False
+    """Raise in the first step (a bug, not a fault: the trial fails)."""
+    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=3, tensorboard=False, control=False))
+    """Run name, stop rules, checkpoints."""
+
+
+class Workload(BaseWorkload):
+    name = "falls"
+    main_metric = "loss"
+
+    def __init__(self, config):
+        self.config, self.loss = config, 1.0
+
+    def roles(self):
+        return []
+
+    def setup(self, ctx):
+        pass
+
+    def step(self, step):
+        if self.config.fail:
+            raise ValueError("this job always fails")
+        self.loss -= self.config.lr
+        return {"loss": self.loss}
+
+    def state_dict(self):
+        return {"loss": self.loss}
+
+    def load_state_dict(self, state):
+        self.loss = state["loss"]
+
+
+JOB = JobSpec("falls", "A loss that falls.", Config, Workload)
+'''
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_users_job_file_named_relative_to_the_working_folder_and_a_search_whose_trials_all_fail(ray_tune, tmp_path, monkeypatch, fail):
+    """Trials run in Tune's own folders: a job file named relative to where the user stands
+    still loads in every trial. When every trial fails, the search ends with their errors
+    and exit code 1, never with an errored trial named best."""
+    from typer.testing import CliRunner
+
+    from raylane.cli import app
+
+    (tmp_path / "jobs_dir").mkdir()
+    (tmp_path / "jobs_dir" / "my_job.py").write_text(USER_JOB)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["tune", "jobs_dir/my_job.py:JOB", "--search", "lr=choice([0.1, 0.2])", "--trials", "2", "--concurrency", "2",
+                                   "--max-failures", "0", "--set", f"fail={str(fail).lower()}", "--runs-dir", str(tmp_path / "runs"), "--name", f"user-{fail}"])
+    out = res.output
+    if not fail:
+        assert res.exit_code == 0, out
+        assert "best trial" in out and "FileNotFoundError" not in out
+    else:
+        assert res.exit_code == 1, out
+        assert "all 2 trials failed; no best trial" in out and "best trial " not in out, out
+        assert out.count("this job always fails") >= 2, out

@@ -202,7 +202,7 @@ def launch(tmp_path: Path, name: str, every: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-@pytest.mark.slow  # long (30-45 s); the default run keeps this job's other fault tests
+# 30-45 s, in the default run: the exactness of a resume is a promise of the README
 def test_sigkilled_driver_resumes_from_last_checkpoint(tmp_path, reference):
     ref_metrics, ref_model = reference
     run_dir = tmp_path / "victim"

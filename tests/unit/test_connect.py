@@ -14,7 +14,7 @@ import pytest
 
 from raylane import join, session
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
 
 def _closed_port() -> int:

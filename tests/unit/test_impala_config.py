@@ -8,7 +8,7 @@ from raylane import config as cfg
 from raylane.jobs.impala import ImpalaConfig
 from raylane.registry import available
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @pytest.mark.parametrize("override,words", [

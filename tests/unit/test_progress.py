@@ -31,8 +31,21 @@ def test_the_rate_counts_from_this_invocation_not_from_step_zero():
     assert bar.rate(3_000.0, "env steps", now=204.0) == pytest.approx(500.0)
 
 
-def test_a_disabled_bar_takes_updates_silently():
+def test_a_disabled_bar_takes_updates_silently(capfd):
     bar = Progress(False, ("loss",), "linreg")
     bar.begin(0)
-    bar.update(1, {"loss": 0.5}, [(1.0, 10.0, "steps")])
+    bar.update(1, {"loss": 0.5}, [(1.0, 10.0, "steps"), (64.0, 640.0, "env steps")])
+    bar.log("a line the bar would print")
     bar.close()
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", ""), (out, err)  # nothing on the terminal, not even the log line
+    assert bar._p is None  # no rich display was made
+    assert set(bar._first) == {"steps"}  # begin() still counts; an ignored update records no measure
+    # the same calls on an enabled bar do print: the capture above would have seen them
+    shown = Progress(True, ("loss",), "linreg")
+    shown.begin(0)
+    shown.update(1, {"loss": 0.5}, [(1.0, 10.0, "steps")])
+    shown.log("a line the bar would print")
+    shown.close()
+    out, err = capfd.readouterr()
+    assert "a line the bar would print" in out + err

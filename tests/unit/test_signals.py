@@ -10,7 +10,7 @@ import pytest
 
 from raylane.signals import SignalTap
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def test_a_watcher_thread_learns_of_sigterm_from_the_pipe_and_the_handler_still_runs():

@@ -17,7 +17,7 @@ from raylane.tune_space import SearchSpaceError, check_space, flatten, parse_sea
 from raylane.tune_trial import TuneReporter
 from raylane.workload import DriverError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 @dataclasses.dataclass

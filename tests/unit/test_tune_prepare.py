@@ -15,7 +15,7 @@ from raylane.tune_run import Search, check_concurrency, metric_mode, prepare, tr
 from raylane.tune_space import SearchSpaceError, nest, parse_search
 from raylane.tune_trial import scalars
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def search(**kw) -> Search:

@@ -7,7 +7,7 @@ import pytest
 from raylane.jobs.ppo import PPOConfig
 from raylane.tune_space import SearchSpaceError, check_space, parse_search, parse_spec, space_from_mapping, trial_count
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @pytest.mark.parametrize("text,kind,args", [

@@ -12,7 +12,7 @@ from raylane.actors.rollout_worker import RolloutConfig, Sampler
 from raylane.actors.vtrace import split_stale, vtrace
 from raylane.jobs.rl_env import check_env
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def random_rollout(rng: np.random.Generator, T: int = 40, N: int = 5):
