@@ -1,7 +1,8 @@
 """Click logs of the user's own for the CTR model: a Parquet (or CSV) file or folder on any
 ``pyarrow.fs`` filesystem with categorical columns, numeric columns and a 0/1 label.
 
-The driver checks the schema and reads the label column (every label 0 or 1, none missing)
+The driver checks the schema, reads the label column (every label 0 or 1, none missing) and
+the numeric columns (a missing cell reads as 0 and is counted; an infinite one is refused)
 before any actor starts; each worker then reads only its own row range
 (:func:`raylane.actors.tabular_files.range_tables`). A categorical column is one field of the
 model: its value is hashed into ``[0, buckets)`` with a keyed BLAKE2b of its text (strings) or
@@ -20,7 +21,7 @@ import numpy as np
 
 from raylane.actors.ps_layout import _mix
 from raylane.actors.tabular import FilePart, SourceError, TableSpec
-from raylane.actors.tabular_files import filesystem, is_categorical, is_numeric, list_files, range_tables, read_file_columns, schema_and_parts
+from raylane.actors.tabular_files import CellTally, filesystem, float32_cells, is_categorical, is_numeric, list_files, range_tables, read_file_columns, schema_and_parts
 
 NULL_TOKEN = "\x00null"
 """What a missing categorical value hashes as (its own bucket, not 0)."""
@@ -36,6 +37,8 @@ class CTRTable:
     """Columns hashed into one embedding table each, in field order."""
     numeric: tuple[str, ...]
     """Columns read as numeric features (a missing value reads as 0)."""
+    missing: tuple[tuple[str, int], ...] = ()
+    """(numeric column, its missing cells, read as 0) for the columns that have any."""
 
 
 def describe_ctr(path: str, *, label: str, categorical: Sequence[str] = (), numeric: Sequence[str] = (), fmt: str = "auto") -> CTRTable:
@@ -78,17 +81,24 @@ def describe_ctr(path: str, *, label: str, categorical: Sequence[str] = (), nume
         raise SourceError(f"data.label: column {label!r} in {path!r} is {kind[label]}; a label is 0 or 1")
     fs, _ = filesystem(path)
     counted, at = [], 0
+    # The numeric columns are read here too: a missing cell is meant (it reads as 0, counted
+    # for the run's read-out), an infinite one is not, and the model would take it silently.
+    tally = CellTally(num)
     for part in parts:
-        table = read_file_columns(fs, part, fmt, [label], {label: pa.float64()})
+        table = read_file_columns(fs, part, fmt, [label, *num], {c: pa.float64() for c in (label, *num)})
         y = table.column(label)
         bad = _not_binary(y)
         if bad is not None:
             i, value = bad
             raise SourceError(f"data.label: column {label!r} of {path!r} holds {value!r} at row {at + i}; a label is 0 or 1 (clicked or not)")
+        for c in num:
+            tally.add(c, float32_cells(table.column(c)), at)
         counted.append(FilePart(part.path, table.num_rows, part.row_groups))
         at += table.num_rows
+    tally.refuse_infinite("data.numeric", path, "", f"a missing value reads as 0, an infinite one has no meaning: replace those cells with a finite "
+                          f"value or leave them empty, or leave the column out (name the columns to use in data.numeric)")
     spec = TableSpec(fmt, path, at, tuple(cat) + tuple(num), label, files=tuple(counted))
-    return CTRTable(spec, tuple(cat), tuple(num))
+    return CTRTable(spec, tuple(cat), tuple(num), tuple(tally.missing_counts().items()))
 
 
 def _not_binary(column) -> tuple[int, object] | None:
@@ -139,16 +149,20 @@ def read_ctr_rows(table: CTRTable, buckets: int, start: int, stop: int) -> tuple
     numeric = np.empty((n, len(table.numeric)), dtype=np.float32)
     labels = np.empty(n, dtype=np.float32)
     types = {**{c: pa.string() for c in table.categorical}, **{c: pa.float64() for c in (*table.numeric, spec.label)}}
+    tally = CellTally(table.numeric)
     filled = 0
     for part, _ in range_tables(spec, [*spec.features, spec.label], types, start, stop):
         k = part.num_rows
         for f, c in enumerate(table.categorical):
             ids[filled : filled + k, f, 0] = hash_values(part.column(c).combine_chunks(), buckets)
         for j, c in enumerate(table.numeric):
-            numeric[filled : filled + k, j] = part.column(c).cast(pa.float32()).fill_null(0.0).to_numpy()
+            numeric[filled : filled + k, j] = float32_cells(part.column(c))
+            tally.add(c, numeric[filled : filled + k, j], start + filled)
         labels[filled : filled + k] = part.column(spec.label).cast(pa.float32()).to_numpy()
         filled += k
     if filled != n:
         raise SourceError(f"data.path {spec.name!r}: read {filled} rows for [{start}, {stop}); the files changed since the job started")
-    np.nan_to_num(numeric, copy=False, nan=0.0)
+    # The driver refused infinite cells; seeing one here means the files changed since.
+    tally.refuse_infinite("data.numeric", spec.name, f", rows [{start}, {stop})", "the files changed since the job checked them: fix them and start again")
+    numeric[np.isnan(numeric)] = 0.0  # missing reads as 0; np.nan_to_num would also turn an infinity into float32's largest number
     return ids, numeric, labels

@@ -5,8 +5,9 @@ column. The server and every client actor call :func:`load` on the same small
 the server's held-out rows without the driver shipping any.
 
 A table is checked on the driver before any actor starts (:func:`describe_table`): the
-client-id and label columns exist, the label is a class index 0..k-1 with none missing, the
-features are numeric. Each client keeps ``1 - test_fraction`` of its rows (at least one);
+client-id and label columns exist, the label is a class index 0..k-1 with none missing and
+none skipped (two classes at least), the features are numeric and finite (a missing cell
+reads as 0 and is counted; an infinite one is refused). Each client keeps ``1 - test_fraction`` of its rows (at least one);
 the rest, drawn per client from the seed, are the server's held-out set.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 from raylane import config as cfg
 from raylane.actors.fed_math import partition
 from raylane.actors.tabular import FilePart, SourceError
-from raylane.actors.tabular_files import filesystem, is_numeric, list_files, read_file_columns, schema_and_parts
+from raylane.actors.tabular_files import CellTally, filesystem, float32_cells, is_numeric, list_files, read_file_columns, schema_and_parts, show_rows
 
 DIGITS_CLIENTS = 20
 """Logical clients of the digits split when ``clients`` is not given."""
@@ -36,7 +37,7 @@ class FedDataConfig:
     client_column: str = "client"
     """The column naming the client a row belongs to (any type; one client per distinct value)."""
     label: str = "label"
-    """The class column: integers 0..k-1, none missing."""
+    """The class column: integers 0..k-1, none missing, none skipped, two classes at least."""
     features: list[str] = cfg.field([])
     """Numeric feature columns (a missing value reads as 0). Empty: every numeric column
     but the client id and the label."""
@@ -65,7 +66,9 @@ class FedTable:
     client_rows: tuple[int, ...]
     """Rows of each client, in ``client_ids`` order."""
     classes: int
-    """Classes: the largest label plus one."""
+    """Classes: the largest label plus one (every index below it occurs)."""
+    missing: tuple[tuple[str, int], ...] = ()
+    """(feature, its missing cells, read as 0) for the features that have any."""
 
     def held_out(self, fraction: float) -> int:
         """Rows :func:`hold_out` keeps for the server; a table that leaves none is refused."""
@@ -177,11 +180,19 @@ def describe_table(d: FedDataConfig) -> FedTable:
         raise SourceError(f"data.label {d.label!r} is {schema.field(d.label).type}; it must hold integer class indices 0..k-1")
     fs, _ = filesystem(d.path)
     clients, labels, counted = [], [], []
+    # The features are read here too: a missing cell is meant (it reads as 0, counted for the
+    # run's read-out), an infinite one is not, and the clients would train on it silently.
+    tally, at = CellTally(features), 0
     for part in parts:
-        t = read_file_columns(fs, part, fmt, [d.client_column, d.label])
+        t = read_file_columns(fs, part, fmt, [d.client_column, d.label, *features])
         clients.append(t.column(d.client_column))
         labels.append(t.column(d.label))
+        for f in features:
+            tally.add(f, float32_cells(t.column(f)), at)
         counted.append(FilePart(part.path, t.num_rows, part.row_groups))
+        at += t.num_rows
+    tally.refuse_infinite("data.features", d.path, "", "a missing value reads as 0, an infinite one has no meaning: replace those cells "
+                          "with a finite value or leave them empty, or leave the column out (name the columns to use in data.features)")
     client = pa.chunked_array([c for a in clients for c in a.chunks], type=schema.field(d.client_column).type)
     label = pa.chunked_array([c for a in labels for c in a.chunks], type=schema.field(d.label).type)
     if label.null_count or client.null_count:
@@ -189,13 +200,40 @@ def describe_table(d: FedDataConfig) -> FedTable:
         raise SourceError(f"column {col!r} of {d.path!r} has {(label if col == d.label else client).null_count} missing values; every row needs one")
     if len(label) == 0:
         raise SourceError(f"{d.path!r} has no rows")
-    low, high = pc.min(label).as_py(), pc.max(label).as_py()
+    low = pc.min(label).as_py()
     if low < 0:
         raise SourceError(f"data.label {d.label!r} holds {low}; class indices are 0..k-1")
+    classes = check_classes(label.to_numpy(), d.label, d.path)
     counts = pc.value_counts(client).to_pylist()
     rows = dict((c["values"], c["counts"]) for c in counts)
     ids = tuple(sorted(rows))
-    return FedTable(d.path, fmt, tuple(counted), d.client_column, d.label, tuple(features), ids, tuple(rows[i] for i in ids), int(high) + 1)
+    return FedTable(d.path, fmt, tuple(counted), d.client_column, d.label, tuple(features), ids, tuple(rows[i] for i in ids), classes,
+                    tuple(tally.missing_counts().items()))
+
+
+def check_classes(y: np.ndarray, label: str, path: str) -> int:
+    """k, when the labels ``y`` (whole numbers >= 0, in row order) are exactly the class
+    indices 0..k-1 with k >= 2. A skipped index would be a class the model keeps an output
+    for but never sees (one stray 7 among 0..2 makes eight classes, five of them empty)."""
+    values, counts = np.unique(y, return_counts=True)
+    if len(values) < 2:
+        raise SourceError(f"data.label {label!r} of {path!r} holds one class only ({values[0]}, all {len(y)} rows): there is nothing to "
+                          "classify; give rows of at least two classes, or name another column in data.label")
+    k = len(values)
+    if values[-1] == k - 1:
+        return k
+    stray = [(int(v), int(n)) for v, n in zip(values, counts) if v >= k]
+    present, never, i = {int(v) for v in values}, [], 0
+    while len(never) < 6 and i < values[-1]:  # the first few skipped indices: at most k + 6 steps, however large the labels
+        if i not in present:
+            never.append(i)
+        i += 1
+    skipped = int(values[-1]) + 1 - k
+    shown = "; ".join(f"{v} on {n} row{'s' if n > 1 else ''} (first at rows {show_rows(np.flatnonzero(y == v))})" for v, n in stray[:10])
+    more = f"; and {len(stray) - 10} more values" if len(stray) > 10 else ""
+    raise SourceError(f"data.label {label!r} of {path!r} must hold the class indices 0..k-1 with none skipped, but its {k} classes "
+                      f"go up to {int(values[-1])} ({skipped} of 0..{int(values[-1])} never occur: {show_rows(np.array(never))}); outside 0..{k - 1}: {shown}{more}; "
+                      f"recode the labels as 0..{k - 1}, or drop the stray rows")
 
 
 def read_table(table: FedTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -205,8 +243,9 @@ def read_table(table: FedTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xs, ys, owners = [], [], []
     for part in table.parts:
         t = read_file_columns(fs, part, table.fmt, [*table.features, table.label, table.client_column])
-        xs.append(np.stack([t.column(f).to_numpy(zero_copy_only=False).astype(np.float32) for f in table.features], axis=1))
+        xs.append(np.stack([float32_cells(t.column(f)) for f in table.features], axis=1))
         ys.append(t.column(table.label).to_numpy(zero_copy_only=False).astype(np.int64))
         owners.append(np.array([index[v] for v in t.column(table.client_column).to_pylist()], dtype=np.int64))
-    x = np.nan_to_num(np.concatenate(xs), nan=0.0)
+    x = np.concatenate(xs)
+    x[np.isnan(x)] = 0.0  # missing reads as 0; np.nan_to_num would also turn an infinity into float32's largest number
     return x, np.concatenate(ys), np.concatenate(owners)

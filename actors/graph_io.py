@@ -4,10 +4,11 @@ and converted by :func:`raylane.actors.graph.make_data`."""
 
 from __future__ import annotations
 
-import io
 import posixpath
 
 import numpy as np
+
+from raylane.arrays import load_npy, load_npz
 
 from raylane.actors.graph import ARRAYS, INPUT_FORMAT, MASKS, GraphError, make_data
 
@@ -33,17 +34,23 @@ def load_graph(uri: str):
 
     def read_npy(p):
         with filesystem.open_input_file(p) as f:
-            return np.load(io.BytesIO(f.read()), allow_pickle=False)
+            try:
+                return load_npy(f.read(), repr(p))
+            except ValueError as exc:
+                raise GraphError(str(exc)) from None
 
     if info.type == pafs.FileType.File:
         if not path.endswith(".npz"):
             raise GraphError(f"graph source {uri!r} is a file but not an .npz archive")
         with filesystem.open_input_file(path) as f:
-            with np.load(io.BytesIO(f.read()), allow_pickle=False) as z:
-                missing = [k for k in ARRAYS if k not in z.files]
-                if missing:
-                    raise GraphError(f"{uri!r} lacks arrays {missing}; it has {sorted(z.files)}. The arrays: {INPUT_FORMAT}")
-                return make_data(**{k: z[k] for k in ARRAYS})
+            try:
+                z = load_npz(f.read(), repr(uri))
+            except ValueError as exc:
+                raise GraphError(str(exc)) from None
+        missing = [k for k in ARRAYS if k not in z]
+        if missing:
+            raise GraphError(f"{uri!r} lacks arrays {missing}; it has {sorted(z)}. The arrays: {INPUT_FORMAT}")
+        return make_data(**{k: z[k] for k in ARRAYS})
     names = {posixpath.basename(i.path) for i in filesystem.get_file_info(pafs.FileSelector(path))}
     if {"nodes.parquet", "edges.parquet"} <= names:
         return _load_parquet(filesystem, path)

@@ -128,6 +128,55 @@ def _values(column):
     return column.cast(column.type.value_type) if pa.types.is_dictionary(column.type) else column
 
 
+def float32_cells(column) -> np.ndarray:
+    """A numeric pyarrow column as the models read it: float32, a null as NaN. A finite
+    number beyond float32's range becomes infinite here, which is why the checks look at
+    this and not at the column's own type."""
+    import pyarrow as pa
+
+    return np.asarray(column.cast(pa.float32()).to_numpy(zero_copy_only=False), dtype=np.float32)
+
+
+def show_rows(rows: np.ndarray, limit: int = 5) -> str:
+    """The first few row indices, for an error message.
+
+    >>> show_rows(np.array([3, 9, 12, 40, 41, 77]))
+    '3, 9, 12, 40, 41, ...'
+    """
+    shown = ", ".join(str(int(r)) for r in rows[:limit])
+    return shown + (", ..." if len(rows) > limit else "")
+
+
+class CellTally:
+    """Missing (null or NaN) and infinite cells of numeric columns, counted over row blocks
+    read in order, so one error can give a column's total and its first rows."""
+
+    def __init__(self, columns: Sequence[str]):
+        self.missing = dict.fromkeys(columns, 0)
+        self.infinite = dict.fromkeys(columns, 0)
+        self.first: dict[str, list[int]] = {c: [] for c in columns}
+
+    def add(self, column: str, values: np.ndarray, offset: int) -> None:
+        """Count the cells of ``values`` (float32), whose first row is global row ``offset``."""
+        self.missing[column] += int(np.isnan(values).sum())
+        bad = np.flatnonzero(np.isinf(values))
+        if bad.size:
+            self.infinite[column] += int(bad.size)
+            first = self.first[column]
+            first.extend(int(r) + offset for r in bad[: max(0, 6 - len(first))])
+
+    def missing_counts(self) -> dict[str, int]:
+        """{column: missing cells} for the columns that have any."""
+        return {c: n for c, n in self.missing.items() if n}
+
+    def refuse_infinite(self, key: str, source: str, where: str, fix: str) -> None:
+        """A :class:`SourceError` naming every column with infinite cells, how many and their first rows."""
+        bad = [c for c, n in self.infinite.items() if n]
+        if bad:
+            cells = "; ".join(f"column {c!r} holds {self.infinite[c]} (first at rows {show_rows(np.array(self.first[c]))})" for c in bad)
+            raise SourceError(f"{key}: infinite values (or numbers beyond float32's range, about 3.4e38) in {source!r}{where}: {cells}; {fix}")
+
+
 def describe_files(source: str, name: str, label: str, features: Sequence[str], fmt: str, *, drop: Sequence[str] = (),
                    categorical: Sequence[str] = ()) -> tuple[TableSpec, np.ndarray]:
     """The spec of a file source and its labels (read on the driver), checked."""
@@ -233,6 +282,9 @@ def read_file_rows(spec: TableSpec, start: int, stop: int) -> tuple[np.ndarray, 
     types = {c: coders[c][0] if c in coders else pa.float64() for c in columns}
     x = np.empty((stop - start, len(spec.features)), dtype=np.float32)
     y = np.empty(stop - start, dtype=np.float32)
+    # The numeric features are read here only, never on the driver, so this is where an
+    # infinite cell can be caught before xgboost fails on it without naming the column.
+    tally = CellTally([f for f in spec.features if f not in coders])
     filled = 0
     for table, file_start in range_tables(spec, columns, types, start, stop):
         n = table.num_rows
@@ -242,10 +294,16 @@ def read_file_rows(spec: TableSpec, start: int, stop: int) -> tuple[np.ndarray, 
                 kind, value_set = coders[name]
                 column = pc.index_in(_values(column).cast(kind), value_set=value_set)
             x[filled : filled + n, j] = column.cast(pa.float32()).to_numpy()
+            if name not in coders:
+                tally.add(name, x[filled : filled + n, j], start + filled)
         y[filled : filled + n] = label_array(table.column(spec.label), spec.name, spec.label, offset=file_start)
         filled += n
     if filled != stop - start:
         raise SourceError(f"data.source {spec.name!r}: read {filled} rows for [{start}, {stop}); the files changed since the job started")
+    bad = [c for c, k in tally.infinite.items() if k]
+    tally.refuse_infinite("data.features", spec.name, f", rows [{start}, {stop}) (this trainer's shard)",
+                          "xgboost reads NaN or an empty cell as missing but cannot train on an infinite one: replace those cells with a "
+                          f"finite value or leave them empty, or leave the column out with data.drop={bad}")
     if not np.isfinite(y).all():
         raise SourceError(f"data.label: NaN or infinite labels in rows [{start}, {stop}) of {spec.name!r}")
     return x, y

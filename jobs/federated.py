@@ -147,6 +147,15 @@ class FederatedWorkload(BaseWorkload):
         self.config = config
         c = config
         self.source = c.source()
+        # Budget, before the rows are read: here and again in every client actor (each reads
+        # them all), rows x (features x 12 bytes: the columns read, their float32 matrix and the
+        # training copy; + 100 a row for label, owner, indices and the client id as read).
+        from raylane import budget
+        t = self.source.table
+        rows, feats = (1797, 64) if t is None else (sum(t.client_rows), len(t.features))  # the digits: 1797 images of 8 x 8
+        need = [budget.Estimate(f"rows: {rows:,} rows x ({feats} features x 12 + 100) bytes", rows * (feats * 12 + 100), "data.path's size")]
+        budget.check(self.name, need)
+        budget.check(self.name, need, where="client actor")
         data = load(self.source)
         self.test_x, self.test_y = torch.from_numpy(data.test_x), torch.from_numpy(data.test_y)
         self.rows = [len(p) for p in data.parts]
@@ -162,10 +171,11 @@ class FederatedWorkload(BaseWorkload):
         c = self.config
         if (t := self.source.table) is not None:
             shown = ", ".join(map(repr, t.client_ids[:5])) + (", ..." if len(t.client_ids) > 5 else "")
+            missing = "; missing cells read as 0: " + ", ".join(f"{c} ({n})" for c, n in t.missing) if t.missing else ""
             say(f"federated: {len(t.client_ids)} clients ({t.client_column}: {shown}), {t.classes} classes, "
-                f"{len(t.features)} features; {len(self.test_y)} rows held out for the server")
+                f"{len(t.features)} features; {len(self.test_y)} rows held out for the server{missing}")
             ctx.log.event("federated_data", path=t.path, clients=len(t.client_ids), classes=t.classes,
-                          features=list(t.features), held_out=len(self.test_y), train_rows=sum(self.rows))
+                          features=list(t.features), held_out=len(self.test_y), train_rows=sum(self.rows), missing_as_0=dict(t.missing))
         client = ClientConfig(self.source, c.hidden, c.lr, c.batch_size)
         # A call never outlives its round by much (clients stop at the deadline), so the
         # pool's own timeout only catches an actor that hangs.

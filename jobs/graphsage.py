@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import ray
 
+from raylane import budget
 from raylane import config as cfg
+from raylane.budget import Estimate, size
 from raylane.actors.gnn_sampler import GNNSamplerActor, SamplerConfig
-from raylane.actors.graph import FEATURE_DTYPES, SharedGraph, sbm_graph, to_shared
+from raylane.actors.graph import ARRAYS, FEATURE_DTYPES, SharedGraph, sbm_graph, to_shared
 from raylane.actors.graph_io import load_graph
 from raylane.actors.sage import GNNTrainerActor, GNNTrainerConfig
 from raylane.actors.sampling import check_fanouts, epoch_plan
@@ -69,6 +73,35 @@ class GraphSource:
         if self.path is None and self.train_fraction + self.val_fraction >= 1:
             raise ValueError(f"train_fraction + val_fraction = {self.train_fraction + self.val_fraction:g}: must be < 1 to leave test nodes")
 
+    def memory(self) -> list[Estimate]:
+        """What building the graph holds on the driver at its peak. Generated: features
+        nodes x feature_dim x 12 bytes (drawn as float64, kept as float32); edges nodes x
+        avg_degree (stored both ways) x 200 bytes, measured at 4-6M edges: int64 pairs, the
+        sort keys and two-way copies of prepare_edges, the CSR and METIS's int32 copy with
+        its own work arrays; 64 bytes a node (labels, masks, part, order, indptr). A file:
+        its arrays as read, twice (the bytes and the arrays made of them), plus the same
+        per-edge and per-node figures, from the headers alone; a layout whose headers
+        cannot be read cheaply (Parquet, a URI) is not estimated."""
+        if self.path is None:
+            nodes, dim, edges = self.nodes, self.feature_dim, self.nodes * self.avg_degree
+            node_keys, read = ("graph.nodes",), []
+            features = Estimate(f"node features: graph.nodes ({nodes:,}) x graph.feature_dim ({dim}) x 12 bytes", nodes * dim * 12,
+                                ("graph.nodes", "graph.feature_dim"))
+            edge = Estimate(f"edges: graph.nodes ({nodes:,}) x graph.avg_degree ({self.avg_degree:g}) x 200 bytes", edges * 200,
+                            ("graph.nodes", "graph.avg_degree"))
+        else:
+            shapes = _array_headers(self.path)
+            if shapes is None or not shapes["x"][0] or not shapes["edge_index"][0]:  # the loader refuses a shapeless x or edge_index
+                return []
+            nodes, dim = shapes["x"][0][0], int(np.prod(shapes["x"][0][1:]))
+            edges = shapes["edge_index"][0][-1] * (2 if self.undirected else 1)
+            given = sum(int(np.prod(s)) * d.itemsize for s, d in shapes.values())
+            node_keys = ("graph.path's size",)
+            read = [Estimate(f"graph.path's arrays ({size(given)}) read, x 2", 2 * given, node_keys)]
+            features = Estimate(f"node features: {nodes:,} nodes x {dim} x 4 bytes (float32)", nodes * dim * 4, node_keys)
+            edge = Estimate(f"edges: {edges:,} ({'both ways' if self.undirected else 'as given'}) x 200 bytes", edges * 200, node_keys)
+        return [features, edge, *read, Estimate(f"per node: {nodes:,} nodes x 64 bytes", nodes * 64, node_keys)]
+
     def load(self):
         if self.path is not None:
             return load_graph(self.path)
@@ -76,6 +109,32 @@ class GraphSource:
             self.nodes, num_classes=self.classes, avg_degree=self.avg_degree, homophily=self.homophily, feature_dim=self.feature_dim,
             feature_signal=self.feature_signal, train_fraction=self.train_fraction, val_fraction=self.val_fraction, seed=self.seed,
         )
+
+
+def _array_headers(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]] | None:
+    """Shape and dtype of every array of a local .npz or folder of .npy files, from their
+    headers (nothing is read); None for any other layout or a file that is not so: the
+    loader then reads it and says what is wrong."""
+    p = Path(path)
+    try:
+        if p.is_file() and p.suffix == ".npz":
+            out = {}
+            with zipfile.ZipFile(p) as z:
+                for k in ARRAYS:
+                    with z.open(f"{k}.npy") as f:
+                        major, _ = np.lib.format.read_magic(f)
+                        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                        shape, _, dtype = read(f)
+                        if int(np.prod(shape, dtype=np.float64)) * dtype.itemsize > z.getinfo(f"{k}.npy").file_size:
+                            return None  # a header claiming more than its member holds: the loader names the corrupt file
+                        out[k] = (shape, dtype)
+            return out
+        if p.is_dir() and all((p / f"{k}.npy").is_file() for k in ARRAYS):
+            arrays = {k: np.load(p / f"{k}.npy", mmap_mode="r", allow_pickle=False) for k in ARRAYS}
+            return {k: (a.shape, a.dtype) for k, a in arrays.items()}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None
+    return None
 
 
 @dataclass
@@ -179,6 +238,7 @@ class GraphSAGEWorkload(BaseWorkload):
         cfg.validate(config)
         # Everything about the input is checked here, before any actor starts.
         if graph is None:
+            budget.check(self.name, c.graph.memory())  # before the graph is built: an extra zero in graph.nodes is terabytes
             graph = to_shared(c.graph.load(), c.samplers, seed=c.seed, feature_dtype=c.feature_dtype, undirected=c.graph.undirected)
             for line in describe_input(graph.report):
                 print(f"raylane: graphsage: {line}", file=sys.stderr, flush=True)

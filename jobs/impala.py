@@ -36,7 +36,7 @@ from raylane.actors.vtrace import split_stale
 from raylane.driver import Context, DriverConfig
 from raylane.group import Gang, Membership, PoolError, TaskPool
 from raylane.jobs.ppo import RETURN_WINDOW, plot_returns
-from raylane.jobs.rl_env import RLEnvConfig, announce_emulation, resolve
+from raylane.jobs.rl_env import RLEnvConfig, announce_emulation, check_budget, resolve
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.registry import JobSpec
@@ -135,6 +135,14 @@ class ImpalaWorkload(BaseWorkload):
     def __init__(self, config: ImpalaConfig):
         self.config = config
         self.recipe, self.net, self.spec = resolve(config)
+        # At a speed-1 node (envs_by_speed scales a faster node's copies up). The driver
+        # fetches every fragment: queue_depth wait for the learner, and each of up to
+        # max_workers workers has one more on its way; an update takes fragments_per_update
+        # (as tensors too: 3 copies).
+        c = config
+        check_budget(self.name, c, self.spec, steps=c.fragment_length, steps_key="fragment_length",
+                     driver=(c.queue_depth + c.max_workers, f"(queue_depth ({c.queue_depth}) + max_workers ({c.max_workers}))", ("queue_depth", "max_workers")),
+                     learner=(3 * c.fragments_per_update, f"3 x fragments_per_update ({c.fragments_per_update})", ("fragments_per_update",)))
         self.env_steps = self.episodes = self.dropped_stale = self.dropped_full = self.lost_fragments = 0
         self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)
         self.workers: TaskPool | None = None

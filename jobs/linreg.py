@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import ray
 
+from raylane import budget
 from raylane import config as cfg
+from raylane.budget import Estimate
 from raylane.actors.grad_worker import GradWorker, GradWorkerConfig, true_weights
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
@@ -60,6 +62,21 @@ class LinRegConfig:
             raise ValueError(f"workers ({self.workers}) must not exceed max_workers ({self.max_workers})")
 
 
+def check_budget(c: LinRegConfig) -> None:
+    """Refuse sizes the workers or the driver cannot hold. The rows live on the workers: any
+    worker may serve any shard and keeps up to 16 (its row cache), so one worker can hold
+    min(shards, 16) shards of rows / shards rows, each row features + 1 (the label) float64s,
+    plus the shard it is building (its generated blocks, then their concatenation). The
+    driver holds only weights: w, the gradient, the update and the true weights, 8 bytes
+    each per feature."""
+    shard_rows = -(-c.rows // c.shards)
+    held = min(c.shards, 16) + 1
+    budget.check(LinRegWorkload.name, [Estimate(
+        f"generated rows: {held} shards (up to 16 cached, one being built) of rows ({c.rows:,}) / shards ({c.shards}) "
+        f"x (features ({c.features}) + 1) x 8 bytes", held * shard_rows * (c.features + 1) * 8, ("rows", "features"))], where="gradient worker")
+    budget.check(LinRegWorkload.name, [Estimate(f"weights: features ({c.features:,}) x 8 bytes x 4 copies", c.features * 8 * 4, "features")])
+
+
 class LinRegWorkload(BaseWorkload):
     name = "linreg"
     main_metric = "loss"
@@ -68,6 +85,7 @@ class LinRegWorkload(BaseWorkload):
 
     def __init__(self, config: LinRegConfig):
         self.config = config
+        check_budget(config)
         self.w = np.zeros(config.features)
         sizes = split_by_speed(config.rows, [1.0] * config.shards)
         bounds = np.cumsum([0] + sizes)

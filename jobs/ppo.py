@@ -23,7 +23,7 @@ from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
 from raylane.driver import Context, DriverConfig
 from raylane.workload import BaseWorkload
-from raylane.jobs.rl_env import RLEnvConfig, announce_emulation, resolve
+from raylane.jobs.rl_env import RLEnvConfig, announce_emulation, check_budget, resolve
 from raylane.launch import job_main
 from raylane.placement import RoleSpec
 from raylane.group import Gang, Membership, PoolError, TaskPool
@@ -113,6 +113,11 @@ class PPOWorkload(BaseWorkload):
     def __init__(self, config: PPOConfig):
         self.config = config
         self.recipe, self.net, self.spec = resolve(config)
+        # The pool may grow to max_workers; the driver gathers every worker's fragment and
+        # hands them on (2 copies), the learner turns them into tensors and advantages (3).
+        check_budget(self.name, config, self.spec, steps=config.rollout_steps, steps_key="rollout_steps",
+                     driver=(2 * config.max_workers, f"2 x max_workers ({config.max_workers})", ("max_workers",)),
+                     learner=(3 * config.max_workers, f"3 x max_workers ({config.max_workers})", ("max_workers",)))
         self.env_steps = 0
         self.episodes = 0
         self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)

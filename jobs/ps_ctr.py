@@ -43,6 +43,7 @@ from raylane.launch import job_main
 from raylane.placement import RoleSpec, split_by_speed
 from raylane.group import LOST, CallTimeoutError, Gang, GroupLost, PoolError
 from raylane.registry import JobSpec
+from raylane.runlog import say
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,18 @@ class PSCTRWorkload(BaseWorkload):
         self.table = config.table()
         self.shape = config.shape(self.table)
         self.shape.check()
+        # Budgets, before the held-out rows are made. Per shard: the embedding rows touched
+        # (at most buckets per field, hashed evenly over the shards) x (2 x embedding_dim x 4
+        # bytes x (1 + optimizer slots): arrays grow by doubling; + 120 for the id -> row dict).
+        # Per worker and on the driver: its rows x (fields x ids_per_field x 8 + dense x 4 + 4) x 2 (blocks, then joined).
+        from raylane import budget
+        from raylane.actors.ps_optim import UpdateRule
+        s, n, slots = self.shape, (config.rows if self.table is None else self.table.spec.rows - config.eval_rows), len(UpdateRule(config.optimizer, 1.0).slots())
+        emb, row = s.fields * min(s.buckets, (n + config.eval_rows) * s.ids_per_field) / config.shards, (s.fields * s.ids_per_field * 8 + s.dense_features * 4 + 4) * 2
+        budget.check(self.name, [budget.Estimate(f"embedding rows: fields ({s.fields}) x buckets ({s.buckets:,}) / shards ({config.shards}) x (2 x embedding_dim ({s.embedding_dim}) "
+                                                 f"x 4 bytes x (1 + {slots} {config.optimizer} slots) + 120)", emb * (8 * s.embedding_dim * (1 + slots) + 120), ("buckets", "embedding_dim"), ("shards",))], where="parameter shard")
+        budget.check(self.name, [budget.Estimate(f"its rows: {n:,} / workers ({config.workers}) x {row} bytes", n / config.workers * row, ("rows",) if self.table is None else (), ("workers",))], where="worker")
+        budget.check(self.name, [budget.Estimate(f"held-out rows: eval_rows ({config.eval_rows:,}) x {row} bytes", config.eval_rows * row, "eval_rows")])
         self.sizes = {n: int(np.prod(s)) for n, s in ctr.dense_shapes(self.shape).items()}
         self.slices = dense_slices(self.sizes, config.shards)
         if self.table is None:
@@ -225,6 +238,11 @@ class PSCTRWorkload(BaseWorkload):
     def setup(self, ctx: Context) -> None:
         c = self.config
         self.ctx = ctx
+        if (t := self.table) is not None:  # what was found in the table, missing cells included (they read as 0)
+            missing = "; missing cells read as 0: " + ", ".join(f"{col} ({n})" for col, n in t.missing) if t.missing else ""
+            say(f"ps_ctr: {t.spec.rows} rows, {len(t.categorical)} categorical fields, {len(t.numeric)} numeric features{missing}")
+            ctx.log.event("ctr_data", path=t.spec.name, rows=t.spec.rows, categorical=list(t.categorical), numeric=list(t.numeric),
+                          missing_as_0=dict(t.missing))
         roles = {r.name: r for r in self.roles()}
         self.shard_gang = Gang(roles[SHARDS], ParamShard, size=c.shards, start_timeout_s=c.step_timeout_s, on_join=self._join_shard, rank_name="shard")
         self.worker_gang = Gang(roles[WORKERS], PSWorker, size=c.workers, start_timeout_s=c.step_timeout_s, on_join=self._join_worker,

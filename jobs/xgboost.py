@@ -175,7 +175,7 @@ def prepare(c: XGBoostJobConfig) -> Prepared:
         if held == 0 or held == table.rows:
             what = "no rows" if held == 0 else "every row"
             raise cfg.ConfigError(f"data.eval_fraction: {d.eval_fraction:g} holds out {what} of the {table.rows} in {d.source!r}; choose a fraction between, or 0 for no evaluation set")
-    params, objective = objective_params(params, labels)
+    params, objective = objective_params(params, labels, table.label)
     evals = tuple(name for name, on in (("train", c.eval_train), ("eval", d.eval_fraction > 0)) if on)
     prepared = Prepared(table, params, evals, probe(params, labels), params["tree_method"] == "hist", objective)
     _PREPARED[key] = prepared
@@ -220,6 +220,13 @@ class XGBoostWorkload(BaseWorkload):
         cfg.validate(config)  # derived fields and the data peek, also for configs built in code
         self.config = config
         self.prep = prepare(config)
+        # Budget, before any trainer makes its shard: per trainer, rows / trainers (at speed
+        # 1) x (features x 8 bytes: the float32 matrix and xgboost's own built from it; + 16 a
+        # row: label, prediction, gradient pair).
+        from raylane import budget
+        t, keys = self.prep.table, (("data.rows", "data.num_features") if self.prep.table.kind == "synthetic" else ())
+        budget.check(self.name, [budget.Estimate(f"its shard: rows ({t.rows:,}) / trainers ({config.trainers}) x ({len(t.features)} features x 8 + 16) bytes",
+                                                 t.rows / config.trainers * (len(t.features) * 8 + 16), keys, ("trainers",))], where="trainer")
         first = self.prep.metrics[0]
         self.main_metric = f"{self.prep.evals[-1]}-{first}" if self.prep.evals else "round"
         self.guarded_metrics = tuple(f"{s}-{first}" for s in self.prep.evals[:1])

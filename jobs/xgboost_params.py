@@ -244,9 +244,10 @@ def _label_words(labels: LabelSummary) -> str:
     return f"{span} (the class indices 0..{k - 1}: {k} classes)" if k else span
 
 
-def objective_params(params: dict[str, Any], labels: LabelSummary) -> tuple[dict[str, Any], ObjectiveChoice]:
+def objective_params(params: dict[str, Any], labels: LabelSummary, column: str = "label") -> tuple[dict[str, Any], ObjectiveChoice]:
     """``params`` with the objective (chosen from the labels when not given), num_class and
-    eval_metric filled in, and the choice; a given objective the labels do not fit is refused."""
+    eval_metric filled in, and the choice; a given objective the labels do not fit is refused,
+    and so is any classification of a label ``column`` that holds one value only."""
     params = dict(params)
     given = params.get("objective")
     if given is None:
@@ -256,6 +257,13 @@ def objective_params(params: dict[str, Any], labels: LabelSummary) -> tuple[dict
         objective, reason = given, "set in params"
     family = objective.split(":")[0] if objective.split(":")[0] in ("binary", "multi") else "reg"
     lo, hi = labels.minimum, labels.maximum
+    if family != "reg" and lo == hi:
+        # A constant 0/1 label would be taken as binary: one class has nothing to tell apart
+        # and the eval AUC is NaN on every round, so the run would finish without a word.
+        how = f"chosen from the labels: {reason}" if given is None else "set in params"
+        raise cfg.ConfigError(f"data.label: column {column!r} holds one value only ({_num(lo)}, every row), so {objective} ({how}) has "
+                              f"nothing to classify and the eval AUC would be NaN; give data with at least two classes, or set "
+                              f"params.objective to a regression objective (e.g. reg:squarederror)")
     if family == "binary" and not (lo >= 0 and hi <= 1):
         k = class_count(labels)
         fix = f"use multi:softprob for {k} classes" if k else "use a reg:* objective or recode the labels"

@@ -126,6 +126,11 @@ def _refusal(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only folder); the message says
+    where, how much, and what to change. The torn folder is removed."""
+
+
 class CheckpointStore:
     def __init__(self, uri: str, keep: int = 3):
         """Open (and for local paths create) the store at ``uri``, keeping the newest ``keep``."""
@@ -296,24 +301,34 @@ class CheckpointStore:
         d = self._dir(step)
         self._hashed.pop(step, None)
         self._loadable.pop(step, None)
-        if self.fs.get_file_info(d).type != pafs.FileType.NotFound:
-            self.fs.delete_dir(d)
-        self.fs.create_dir(d, recursive=True)
         if tensors:
             torch.save(tensors, buf := io.BytesIO())
             blobs = {TENSORS: buf.getbuffer(), **blobs}
-        files = {}
-        for name, payload in {**blobs, STATE: state_json}.items():
-            files[name] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-            self._write(f"{d}/{name}", payload)
+        files = {name: {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+                 for name, payload in {**blobs, STATE: state_json}.items()}
         created = time.time()
         manifest = json.dumps({"version": FORMAT_VERSION, "step": step, "created": created,
                                "files": files}, indent=1).encode()
-        if self._local:
-            self._write(f"{d}/{MANIFEST}.tmp", manifest)
-            self.fs.move(f"{d}/{MANIFEST}.tmp", f"{d}/{MANIFEST}")
-        else:  # an object becomes visible whole when its upload completes
-            self._write(f"{d}/{MANIFEST}", manifest)
+        try:
+            if self.fs.get_file_info(d).type != pafs.FileType.NotFound:
+                self.fs.delete_dir(d)
+            self.fs.create_dir(d, recursive=True)
+            for name, payload in {**blobs, STATE: state_json}.items():
+                self._write(f"{d}/{name}", payload)
+            if self._local:
+                self._write(f"{d}/{MANIFEST}.tmp", manifest)
+                self.fs.move(f"{d}/{MANIFEST}.tmp", f"{d}/{MANIFEST}")
+            else:  # an object becomes visible whole when its upload completes
+                self._write(f"{d}/{MANIFEST}", manifest)
+        except OSError as exc:  # a full disk, a folder made read-only: say so, and leave no torn folder behind
+            try:
+                self.fs.delete_dir(d)
+            except OSError:
+                pass
+            size = sum(f["size"] for f in files.values()) + len(manifest)
+            raise CheckpointWriteError(f"checkpoint of step {step} ({size / 2**20:.1f} MiB) could not be written to {d}: {exc}. "
+                                       "Free space there (or make it writable), or set driver.checkpoint_uri to another place; "
+                                       "the checkpoints already written are whole") from exc
         self._hashed[step] = self._loadable[step] = created
         self._prune(step)
         return CheckpointInfo(step, d, created, {n: e["sha256"] for n, e in files.items()})

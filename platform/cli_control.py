@@ -16,7 +16,7 @@ from rich.table import Table
 console = Console()
 err = Console(stderr=True)
 
-ADDRESS = ("Ray address of the cluster the job runs on (default: auto, the cluster on this machine); "
+ADDRESS = ("Ray address of the cluster the job runs on (default: where the run's record on this machine says, else RAY_ADDRESS); "
            "given up after RAYLANE_CONNECT_TIMEOUT seconds (30).")
 
 
@@ -25,9 +25,18 @@ def _connect(address: Optional[str], run: str, cap_s: Optional[float] = None) ->
     is one line on stderr and exit code 2."""
     # the token at hand is sent even without RAY_AUTH_MODE=token: raylane.raystate.prefer_token_auth
     from raylane import session
-    from raylane.control import local_address
+    from raylane.control import local_address, runs_home
 
-    address = address or local_address(run) or "auto"
+    if not address and run:
+        # The run's own record says where it runs; "auto" would join whatever Ray this host
+        # has, which may be another cluster that knows nothing of the run.
+        address = local_address(run) or os.environ.get("RAY_ADDRESS")
+        if not address:
+            err.print(f"error: run {run!r} is not running on this machine (no record of it under {runs_home()}) and RAY_ADDRESS is not set; "
+                      "give --address of the cluster it runs on (e.g. --address 10.0.0.5:6379, or auto for the cluster on this machine)",
+                      highlight=False, markup=False, soft_wrap=True)
+            raise typer.Exit(2)
+    address = address or "auto"
     try:
         session.connect(address, timeout_s=min(session.connect_timeout_s(), cap_s or float("inf")))
     except session.ConnectError as exc:

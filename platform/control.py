@@ -79,8 +79,13 @@ def check_scale(pools: dict[str, dict], role: str, n: int) -> None:
 # ----------------------------------------------------------------------------- driver side
 
 
+def runs_home() -> Path:
+    """Where drivers on this machine leave their runs' addresses (``$RAYLANE_HOME/runs``)."""
+    return Path(os.environ.get("RAYLANE_HOME", Path.home() / ".raylane")) / "runs"
+
+
 def _local_file(run: str) -> Path:
-    return Path(os.environ.get("RAYLANE_HOME", Path.home() / ".raylane")) / "runs" / f"{run}.json"
+    return runs_home() / f"{run}.json"
 
 
 def local_address(run: str) -> str | None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from raylane.checkpoint import CheckpointStore
+from raylane.checkpoint import CheckpointStore, CheckpointWriteError
 from raylane.cluster import ClusterView
 from raylane.elastic import Elasticity
 from raylane.placement import plan_when_free
@@ -246,7 +246,10 @@ class Driver:
                     plot_run(self.run_dir, self.workload.main_metric)
             else:  # a run that could not start keeps the summary of the run it was to continue
                 runlog.event("start_failed", error=summary["error"])
-            runlog.close()
+            try:
+                runlog.close()
+            except OSError as exc:  # the last lines could not be flushed (a full disk): the summary says how the run ended
+                log.warning("run log not closed cleanly: %s", exc)
             try:
                 self.workload.close()
             except Exception as exc:  # noqa: BLE001 - closing must not hide the run's result
@@ -353,7 +356,11 @@ class Driver:
         if not save:
             return
         t0 = time.time()
-        info = self._ctx.store.save(self.step, {"workload": self.workload.state_dict(), "driver": {"step": self.step, "run": self.run_name}})
+        state = {"workload": self.workload.state_dict(), "driver": {"step": self.step, "run": self.run_name}}
+        try:
+            info = self._ctx.store.save(self.step, state)
+        except CheckpointWriteError as exc:  # no retry heals a full disk: the run ends here, saying why
+            raise DriverError(f"run {self.run_name!r} stopped at step {self.step}: {exc}. {self._ckpt_hint()}") from exc
         self._last_ckpt_step, self._last_ckpt_time = self.step, time.time()
         self.checkpoints_written += 1
         self._ctx.log.event("checkpoint", step=self.step, reason=why, seconds=time.time() - t0)

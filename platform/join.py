@@ -107,6 +107,8 @@ def _split(hostport: str, address: str) -> tuple[str, int]:
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
         raise ConnectError(f"Ray address {address!r} is not host:port; pass --address host:port (e.g. 10.0.0.5:6379)")
+    if not 1 <= int(port) <= 65535:
+        raise ConnectError(f"Ray address {address!r}: port {int(port)} is outside 1..65535; pass the head's GCS port (6379 unless `ray start --port` said otherwise)")
     return host.strip("[]"), int(port)
 
 

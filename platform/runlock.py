@@ -27,7 +27,7 @@ from pathlib import Path
 
 LOCK_FILE = ".lock"
 
-_held: dict[str, list] = {}  # resolved folder -> [fd, depth, took_over]
+_held: dict[str, list] = {}  # resolved folder -> [fd, depth, took_over, made by this lock]
 _guard = threading.Lock()
 
 
@@ -50,6 +50,7 @@ class RunLock:
         self.release()
 
     def acquire(self) -> None:
+        made = not self.dir.exists()
         self.dir.mkdir(parents=True, exist_ok=True)
         key = str(self.dir.resolve())
         with _guard:
@@ -72,7 +73,7 @@ class RunLock:
                                   "(killed or crashed); this run takes it over")
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(), 0)
-            _held[key] = [fd, 1, self.took_over]
+            _held[key] = [fd, 1, self.took_over, made]
 
     def release(self) -> None:
         key = str(self.dir.resolve())
@@ -83,10 +84,16 @@ class RunLock:
             entry[1] -= 1
             if entry[1] > 0:
                 return
-            fd = entry[0]
+            fd, made = entry[0], entry[3]
             del _held[key]
             try:
                 os.ftruncate(fd, 0)  # a clean end: the next holder finds no mark to take over
+                if made and [p.name for p in self.dir.iterdir()] == [LOCK_FILE]:
+                    # refused before it wrote anything (a bad input): leave no empty run folder behind
+                    (self.dir / LOCK_FILE).unlink()
+                    self.dir.rmdir()
+            except OSError:
+                pass
             finally:
                 os.close(fd)  # closing the last descriptor drops the flock
 

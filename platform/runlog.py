@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -33,6 +34,7 @@ class RunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self._events = open(self.dir / "events.jsonl", "a", buffering=1)
+        self._event_error = ""
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -83,14 +85,36 @@ class RunLog:
         return {k: v for k, v in rows[-1].items() if k not in ("step", "time")} if rows else {}
 
     def event(self, kind: str, **data: Any) -> None:
-        self._events.write(json.dumps({"time": time.time(), "event": kind, **_clean(data)}) + "\n")
+        try:
+            self._events.write(json.dumps({"time": time.time(), "event": kind, **_clean(data)}) + "\n")
+        except OSError as exc:
+            # A full disk or a folder made read-only: an event must not hide how the run ends
+            # (the step's metrics row or checkpoint fails too, and says so); said once.
+            if not self._event_error:
+                self._event_error = f"{type(exc).__name__}: {exc}"
+                say(f"events.jsonl of {self.dir} refuses writes ({self._event_error}); events from here on are lost")
 
     def summary(self, data: Mapping[str, Any]) -> Path:
+        """``summary.json`` in the run folder; if the folder refuses it (a full disk, a folder
+        made read-only), in ``<tmp>/raylane-summaries/`` instead, said on the terminal."""
+        text = json.dumps(_clean(dict(data)), indent=2) + "\n"
         path = self.dir / "summary.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_clean(dict(data)), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+            return path
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            why = f"{type(exc).__name__}: {exc}"
+        elsewhere = Path(tempfile.gettempdir()) / "raylane-summaries" / f"{self.dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+        elsewhere.parent.mkdir(parents=True, exist_ok=True)
+        elsewhere.write_text(json.dumps({**_clean(dict(data)), "summary_moved": f"{path} refused it ({why})"}, indent=2) + "\n")
+        say(f"summary.json could not be written to {self.dir} ({why}); it is at {elsewhere}")
+        return elsewhere
 
     def close(self) -> None:
         self._metrics.close()

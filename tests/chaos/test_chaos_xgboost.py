@@ -49,4 +49,5 @@ def test_xgboost_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
         if e["event"] == "xgboost_resume":
             # back to the newest checkpoint: at most the chunk in flight was lost
             assert e["round"] == ckpt_rounds[-1], (e, ckpt_rounds)
-    assert abs(final["eval-logloss"] - calm["final_metrics"]["eval-logloss"]) < 0.01, (final, calm["final_metrics"])
+    # "the same model": every evaluation of the last round equal to the calm run's, to the bit
+    assert {k: v for k, v in final.items() if k.startswith("eval-")} == {k: v for k, v in calm["final_metrics"].items() if k.startswith("eval-")}, (final, calm["final_metrics"])

@@ -67,8 +67,15 @@ def test_a_4x_slow_spot_node_does_not_hold_the_async_learner_back(spot_cluster, 
     assert by_speed[0.25]["env_steps"] < by_speed[1.0]["env_steps"] < by_speed[2.0]["env_steps"], nodes
     assert all(r["workers"] == 3 for r in imp_slow) and all(r["workers"] == 3 for r in ppo_slow)
     assert any(e["event"] == "emulated_slow_nodes" for e in events)
+    # The claim itself: the async learner keeps (most of) its pace with the crawling node in
+    # the pool, and loses less of it than synchronous PPO, which waits for that node every
+    # iteration. The margins leave room for a 2-core machine that runs every node's workers.
+    imp_ratio = figures["impala_updates_per_s"][1] / figures["impala_updates_per_s"][0]
+    ppo_ratio = figures["ppo_iterations_per_s"][1] / figures["ppo_iterations_per_s"][0]
+    assert imp_ratio >= 0.6, figures
+    assert imp_ratio > ppo_ratio, figures
     # Synchronous PPO waited for the crawling worker in every iteration: its sampling
-    # share of the iteration grew. (The rates themselves are reported above, not asserted.)
+    # share of the iteration grew.
     share = lambda rows: statistics.median(r["sample_s"] / (r["sample_s"] + r["learn_s"]) for r in rows[1:])  # noqa: E731
     assert share(ppo_slow) > share(ppo_fast), (share(ppo_fast), share(ppo_slow))
 

@@ -77,7 +77,7 @@ def test_fault_free_run_learns_and_visits_every_seed_once_per_epoch(reference, t
     assert all(c["min_visits"] == c["max_visits"] == 1 and c["visits_outside_train"] == 0 and c["train_nodes"] == 1500 for c in cov)
 
 
-def test_a_sampler_killed_mid_epoch_is_replaced_and_the_epoch_completes(reference, tmp_path):
+def test_a_sampler_killed_mid_epoch_is_replaced_and_the_epoch_completes(reference_dir, tmp_path):
     workload, driver = make(tmp_path, "samplerkill")
     killed: list[int] = []
     seen = []
@@ -93,8 +93,8 @@ def test_a_sampler_killed_mid_epoch_is_replaced_and_the_epoch_completes(referenc
     assert seen[0].target == 2 and seen[0].live + seen[0].starting == 2  # a replacement is on its way or serving
     cov = coverage(tmp_path, "samplerkill")
     assert len(cov) == 4 and all(c["min_visits"] == c["max_visits"] == 1 for c in cov)
-    final = summary["final_metrics"]
-    assert abs(final["test_acc"] - reference["test_acc"]) <= 0.01, (final, reference)
+    # The lost batch is made again identically: every step computes what the calm run computed.
+    assert per_step(tmp_path / "samplerkill") == per_step(reference_dir)
 
 
 @pytest.mark.parametrize("model", ["gcn", "gat", "gin"])

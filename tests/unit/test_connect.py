@@ -133,3 +133,17 @@ def test_a_job_module_entrypoint_fails_the_same_way_without_a_traceback(tmp_path
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert f"127.0.0.1:{port}" in done.stderr and "nothing answered within 3 s" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", [["pools", "norecord"], ["scale", "norecord", "grad_worker", "2"]])
+def test_a_run_without_a_record_here_is_not_looked_for_in_whatever_ray_runs_on_the_host(command, tmp_path):
+    done, took = _raylane(command, tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "run 'norecord' is not running on this machine" in done.stderr and "--address" in done.stderr, done.stderr
+
+
+def test_a_port_out_of_range_is_refused_at_once(tmp_path):
+    done, took = _raylane(["pools", "somerun", "--address", "127.0.0.1:99999"], tmp_path, deadline_s=30)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "port 99999 is outside 1..65535" in done.stderr, done.stderr
+    assert took < 25, took  # refused before the 30 s connect deadline, not after it

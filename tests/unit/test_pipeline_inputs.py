@@ -32,7 +32,7 @@ def test_npy_ids_and_utf8_text_by_bytes(tmp_path):
      r"data.vocab: token id 120 at position 2 of .*ids.npy' is beyond vocab=100 .* raise data.vocab to at least 121"),
     (lambda p: np.save(p / "ids.npy", np.array([3, -1, 5])), [], r"token id -1 at position 1 is negative"),
     (lambda p: np.save(p / "ids.npy", np.zeros((4, 4), np.int64)), [], r"holds a int64 array of shape \(4, 4\); token ids are one dimension of integers"),
-    (lambda p: np.save(p / "ids.npy", np.array([{"a": 1}], dtype=object)), [], r"is not a .npy array of token ids .*pickled arrays are refused"),
+    (lambda p: np.save(p / "ids.npy", np.array([{"a": 1}], dtype=object)), [], r"holds Python objects .*pickled arrays are refused"),
     (lambda p: (p / "ids.npy").write_bytes(b"\xff\xfe" * 100), ["data.format=text"], r"is not UTF-8 text \(byte 0: invalid start byte\)"),
     (lambda p: None, [], r"data.path: cannot read"),
 ])
