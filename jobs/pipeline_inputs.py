@@ -16,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from raylane import budget
 from raylane import config as cfg
 from raylane.budget import Estimate, size
 from raylane.arrays import load_npy
@@ -142,3 +143,23 @@ def greedy(model: torch.nn.Module, c: gpt.GPTConfig, prompt: np.ndarray, n: int)
             ctx = torch.tensor([out[-c.seq_len:]])
             out.append(int(model(ctx)[0, -1].argmax()))
     return out
+
+
+def check_budget(c: Any) -> None:
+    """Refuse sizes that a ``PipelineLMConfig`` ``c`` implies and the driver or a stage cannot hold. The driver: the tokens (see
+    :func:`token_memory`) and, for the built-in model, the
+    whole model assembled for the final sample, params x 8 bytes (the model and the layer
+    states it is loaded from), with params = n_blocks x 12 x d_model^2 + (2 x vocab + seq_len)
+    x d_model. A stage: its share of the layers, params / stages x 16 bytes (weights,
+    gradients and AdamW's two moments). A factory's model is the user's: not estimated."""
+    driver = token_memory(c.data, text_chars=c.text_chars)
+    m = c.model
+    if m.factory is None:
+        vocab = c.data.vocab or (corpus.VOCAB if c.data.path is None else 256)
+        params = m.n_blocks * 12 * m.d_model**2 + (2 * vocab + m.seq_len) * m.d_model
+        what = f"model.n_blocks ({m.n_blocks}) x 12 x model.d_model ({m.d_model})^2 + (2 x vocab ({vocab}) + model.seq_len ({m.seq_len})) x model.d_model"
+        keys = ("model.d_model", "model.n_blocks")
+        driver.append(Estimate(f"the assembled model: params ({what}) x 8 bytes", params * 8, keys))
+        budget.check("pipeline_lm", [Estimate(f"its layers: params ({what}) / stages ({c.stages}) x 16 bytes", params / c.stages * 16, keys, ("stages",))],
+                     where="pipeline stage")
+    budget.check("pipeline_lm", driver)

@@ -36,10 +36,8 @@ import numpy as np
 import ray
 import torch
 
-from raylane import budget
 from raylane import config as cfg
 from raylane.actors import corpus, gpt
-from raylane.budget import Estimate
 from raylane.actors import pipeline_schedules as S
 from raylane.actors.pipeline_split import split_virtual, stage_loads
 from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, measured_bubble, pieces_for, stage_broken, train_batch
@@ -50,7 +48,7 @@ from raylane.placement import RoleSpec
 from raylane.preemption import NodeLeaving
 from raylane.group import CallTimeoutError, Gang, PoolError
 from raylane.actors.lm_factory import LayerFactory
-from raylane.jobs.pipeline_inputs import TokenData, Tokens, assemble, greedy, load_factory, load_tokens, token_memory
+from raylane.jobs.pipeline_inputs import TokenData, Tokens, assemble, greedy, check_budget, load_factory, load_tokens
 from raylane.registry import JobSpec
 
 log = logging.getLogger(__name__)
@@ -161,26 +159,6 @@ class PipelineLMConfig:
             raise ValueError(f"stages x chunks = {self.stages} x {self.chunks} = {self.stages * self.chunks} pieces but {what}; "
                              "use fewer stages or chunks" + ("" if factory else ", or more blocks"))
         return tokens, shape, factory, n_layers
-
-
-def check_budget(c: PipelineLMConfig) -> None:
-    """Refuse sizes the driver or a stage cannot hold. The driver: the tokens (see
-    :func:`~raylane.jobs.pipeline_inputs.token_memory`) and, for the built-in model, the
-    whole model assembled for the final sample, params x 8 bytes (the model and the layer
-    states it is loaded from), with params = n_blocks x 12 x d_model^2 + (2 x vocab + seq_len)
-    x d_model. A stage: its share of the layers, params / stages x 16 bytes (weights,
-    gradients and AdamW's two moments). A factory's model is the user's: not estimated."""
-    driver = token_memory(c.data, text_chars=c.text_chars)
-    m = c.model
-    if m.factory is None:
-        vocab = c.data.vocab or (corpus.VOCAB if c.data.path is None else 256)
-        params = m.n_blocks * 12 * m.d_model**2 + (2 * vocab + m.seq_len) * m.d_model
-        what = f"model.n_blocks ({m.n_blocks}) x 12 x model.d_model ({m.d_model})^2 + (2 x vocab ({vocab}) + model.seq_len ({m.seq_len})) x model.d_model"
-        keys = ("model.d_model", "model.n_blocks")
-        driver.append(Estimate(f"the assembled model: params ({what}) x 8 bytes", params * 8, keys))
-        budget.check("pipeline_lm", [Estimate(f"its layers: params ({what}) / stages ({c.stages}) x 16 bytes", params / c.stages * 16, keys, ("stages",))],
-                     where="pipeline stage")
-    budget.check("pipeline_lm", driver)
 
 
 # ---------------------------------------------------------------- layout (no Ray)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from raylane.driver import Driver, DriverConfig
 from raylane.runlog import read_jsonl
 
@@ -189,3 +191,21 @@ def ray_in_folder(folder: Path | str, num_cpus: int):
         ray.shutdown()
         os.chdir(before)
         sys.path.remove(str(folder))
+
+
+def watch_restores(workload) -> list[bool]:
+    """After each load_state_dict (a recovery's reload of the checkpoint), whether the
+    learner now holds exactly the checkpoint's weights, version and optimizer state."""
+    held: list[bool] = []
+    original = workload.load_state_dict
+
+    def load_state_dict(state):
+        original(state)
+        now, want = workload._learner_call("state"), state["learner"]
+        held.append(now["version"] == want["version"] and now["optimizer"] == want["optimizer"]
+                    and now["params"].keys() == want["params"].keys()
+                    and all(torch.equal(torch.as_tensor(now["params"][k]), torch.as_tensor(want["params"][k])) for k in want["params"]))
+
+    workload.load_state_dict = load_state_dict
+    return held
+

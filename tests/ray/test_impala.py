@@ -12,14 +12,13 @@ import time
 
 import pytest
 import ray
-import torch
 
 from raylane.checkpoint import CheckpointStore
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.impala import ImpalaConfig, ImpalaWorkload
 from raylane.runlog import read_jsonl
 
-from harness import drive  # tests/harness.py
+from harness import drive, watch_restores  # tests/harness.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -31,23 +30,6 @@ def make(tmp_path, name, **kw) -> tuple[ImpalaWorkload, Driver]:
     workload = ImpalaWorkload(conf)
     return workload, Driver(workload, conf.driver)
 
-
-
-def watch_restores(workload) -> list[bool]:
-    """After each load_state_dict (a recovery's reload of the checkpoint), whether the
-    learner now holds exactly the checkpoint's weights, version and optimizer state."""
-    held: list[bool] = []
-    original = workload.load_state_dict
-
-    def load_state_dict(state):
-        original(state)
-        now, want = workload._learner_call("state"), state["learner"]
-        held.append(now["version"] == want["version"] and now["optimizer"] == want["optimizer"]
-                    and now["params"].keys() == want["params"].keys()
-                    and all(torch.equal(torch.as_tensor(now["params"][k]), torch.as_tensor(want["params"][k])) for k in want["params"]))
-
-    workload.load_state_dict = load_state_dict
-    return held
 
 def test_impala_solves_cartpole_within_a_step_budget(ray_local, tmp_path):
     workload, driver = make(tmp_path, "solve", total_env_steps=500_000)
