@@ -114,14 +114,19 @@ _EMBEDDED: list = []
 # at once on SIGTERM where the raylet takes ~10 s to shut down, so one of them gone right
 # after this process got a stop signal tells that the signal went to the whole group.
 _EMBEDDED_AUX: list = []
+# The GCS address of that start: a record made for another Ray (this one was shut down with a
+# plain ray.shutdown() and another started, as a notebook or a test suite does) is stale.
+_EMBEDDED_GCS: list = []
 
 
 def _remember_embedded() -> None:
     import psutil
+    import ray
 
     try:  # Ray's own record of the processes it started (not a public API: checked, not assumed)
         from ray._private import worker
 
+        _EMBEDDED_GCS[:] = [ray.get_runtime_context().gcs_address]
         procs = worker._global_node.all_processes
         _EMBEDDED[:] = [(kind, psutil.Process(info.process.pid)) for kind in ("gcs_server", "raylet") for info in procs.get(kind, [])]
         _EMBEDDED_AUX[:] = [(kind, psutil.Process(info.process.pid)) for kind in ("log_monitor", "dashboard", "monitor")
@@ -133,6 +138,16 @@ def _remember_embedded() -> None:
         _EMBEDDED_AUX.clear()
         return
     reaper.start(roots)
+
+
+def _still_embedded() -> bool:
+    """Whether the Ray this process is connected to is the one it started itself."""
+    import ray
+
+    try:
+        return ray.is_initialized() and [ray.get_runtime_context().gcs_address] == _EMBEDDED_GCS
+    except Exception:  # noqa: BLE001 - no context, no embedded Ray to watch
+        return False
 
 
 def _alive(proc) -> bool:
@@ -161,6 +176,9 @@ def watch_embedded(on_gone: Callable[[str], None], every_s: float = 0.5,
     process group, and the raylet is shutting down); returns a function that stops
     watching. A no-op for a joined cluster."""
     stop = threading.Event()
+    if _EMBEDDED and not _still_embedded():
+        _EMBEDDED.clear()  # a Ray this process started once, shut down since; not the one in use now
+        _EMBEDDED_AUX.clear()
     if not _EMBEDDED:
         return stop.set
 

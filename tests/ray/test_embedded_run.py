@@ -145,3 +145,26 @@ def test_more_workers_than_the_cluster_holds_is_said_and_logged_with_what_is_mis
     assert 1 <= got < 20 and short[0]["missing"] == {"CPU": float(20 - got)}
     err = capfd.readouterr().err
     assert f"grad_worker: asked for 20, the cluster holds {got} now; missing CPU={20 - got}" in err, err
+
+
+STALE = """
+import ray
+from raylane import session
+from raylane.launch import load_job_config, run_job
+from raylane.registry import get
+
+session.connect(None, num_cpus=2)       # raylane starts a Ray of its own ...
+ray.shutdown()                          # ... the user shuts it down the plain way
+ray.init(address="local", num_cpus=2)   # and starts another (a notebook, a test suite)
+spec = get("linreg")
+conf = load_job_config(spec, overrides=["driver.runs_dir={runs}", "driver.max_steps=3", "driver.progress=false", "driver.tensorboard=false"])
+print(run_job(spec, conf)["state"])
+"""
+
+
+def test_a_run_on_a_ray_started_after_raylanes_own_was_shut_down_is_not_taken_for_a_dead_ray(tmp_path):
+    # The watchdog of raylane's embedded Ray ends the process when that Ray dies under the
+    # driver; a record of an earlier, cleanly stopped start must not make it end this one.
+    done = subprocess.run([sys.executable, "-c", STALE.format(runs=tmp_path)], capture_output=True, text=True, timeout=150,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("finished"), (done.stdout[-2000:], done.stderr[-3000:])

@@ -214,24 +214,27 @@ JOB = JobSpec("falls", "A loss that falls.", Config, Workload)
 
 
 @pytest.mark.parametrize("fail", [False, True])
-def test_a_users_job_file_named_relative_to_the_working_folder_and_a_search_whose_trials_all_fail(ray_tune, tmp_path, monkeypatch, fail):
+def test_a_users_job_file_named_relative_to_the_working_folder_and_a_search_whose_trials_all_fail(tmp_path, fail):
     """Trials run in Tune's own folders: a job file named relative to where the user stands
     still loads in every trial. When every trial fails, the search ends with their errors
-    and exit code 1, never with an errored trial named best."""
-    from typer.testing import CliRunner
-
-    from raylane.cli import app
+    and exit code 1, never with an errored trial named best. (The command as a user runs it,
+    on its own embedded Ray.)"""
+    import subprocess
+    import sys
 
     (tmp_path / "jobs_dir").mkdir()
     (tmp_path / "jobs_dir" / "my_job.py").write_text(USER_JOB)
-    monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["tune", "jobs_dir/my_job.py:JOB", "--search", "lr=choice([0.1, 0.2])", "--trials", "2", "--concurrency", "2",
-                                   "--max-failures", "0", "--set", f"fail={str(fail).lower()}", "--runs-dir", str(tmp_path / "runs"), "--name", f"user-{fail}"])
-    out = res.output
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "raylane", "tune", "jobs_dir/my_job.py:JOB", "--search", "lr=choice([0.1, 0.2])", "--trials", "2",
+           "--concurrency", "2", "--trial-cpus", "0.5", "--max-failures", "0", "--set", f"fail={str(fail).lower()}",
+           "--runs-dir", str(tmp_path / "runs"), "--name", "user"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
     if not fail:
-        assert res.exit_code == 0, out
-        assert "best trial" in out and "FileNotFoundError" not in out
+        assert done.returncode == 0, out
+        assert "best trial" in out and "FileNotFoundError" not in out, out
     else:
-        assert res.exit_code == 1, out
+        assert done.returncode == 1, out
         assert "all 2 trials failed; no best trial" in out and "best trial " not in out, out
         assert out.count("this job always fails") >= 2, out
