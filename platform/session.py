@@ -72,6 +72,7 @@ def shutdown_within(timeout_s: float) -> bool:
     atexit.unregister(ray.shutdown)
     _EMBEDDED.clear()
     _EMBEDDED_AUX.clear()
+    _EMBEDDED_GCS.clear()
     if worker.is_alive():  # the reaper stays: once this process is gone it ends what is left of the embedded Ray
         return False
     reaper.stop()
@@ -100,6 +101,7 @@ def disconnect() -> None:
 
     _EMBEDDED.clear()
     _EMBEDDED_AUX.clear()
+    _EMBEDDED_GCS.clear()
     if ray.is_initialized():
         ray.shutdown()
     reaper.stop()
@@ -141,9 +143,12 @@ def _remember_embedded() -> None:
 
 
 def _still_embedded() -> bool:
-    """Whether the Ray this process is connected to is the one it started itself."""
+    """Whether the Ray this process is connected to is the one it started itself (True
+    when the start's address was not recorded: nothing says otherwise)."""
     import ray
 
+    if not _EMBEDDED_GCS:
+        return True
     try:
         return ray.is_initialized() and [ray.get_runtime_context().gcs_address] == _EMBEDDED_GCS
     except Exception:  # noqa: BLE001 - no context, no embedded Ray to watch
@@ -179,6 +184,7 @@ def watch_embedded(on_gone: Callable[[str], None], every_s: float = 0.5,
     if _EMBEDDED and not _still_embedded():
         _EMBEDDED.clear()  # a Ray this process started once, shut down since; not the one in use now
         _EMBEDDED_AUX.clear()
+        _EMBEDDED_GCS.clear()
     if not _EMBEDDED:
         return stop.set
 
