@@ -39,6 +39,8 @@ def register(app: typer.Typer) -> None:
 
         Example: raylane tune linreg --search lr=loguniform(0.05,0.5) --trials 4 --scheduler asha"""
         import yaml
+
+        from raylane.config_yaml import safe_load
         from rich.console import Console
 
         from raylane import config as cfg
@@ -56,8 +58,8 @@ def register(app: typer.Typer) -> None:
             if search_file is not None:
                 try:
                     with open(search_file, encoding="utf-8") as fh:
-                        more = space_from_mapping(yaml.safe_load(fh) or {})
-                except (OSError, yaml.YAMLError) as exc:
+                        more = space_from_mapping(safe_load(fh) or {})
+                except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: YAMLRefused, UnicodeDecodeError
                     raise SearchSpaceError(f"--search-file {search_file}: {exc}") from None
                 if both := sorted(set(more) & set(space)):
                     raise SearchSpaceError(f"{', '.join(both)}: searched both in --search and in --search-file; keep one")

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-import yaml
 
 from raylane import config as cfg
 from raylane import devcluster_state
@@ -94,14 +93,7 @@ def config_overrides(config_file: str | None, overrides: Sequence[str]) -> list[
     """
     out: list[str] = []
     if config_file is not None:
-        try:
-            with open(config_file, encoding="utf-8") as fh:
-                loaded = yaml.safe_load(fh) or {}
-        except (OSError, yaml.YAMLError) as exc:  # load_config already refused these with a clear message
-            raise cfg.ConfigError(f"{config_file}: {exc}") from exc
-        if not isinstance(loaded, Mapping):
-            raise cfg.ConfigError(f"{config_file}: the top level must be a mapping of keys to values")
-        out += _flatten(loaded)
+        out += _flatten(cfg.read_mapping(config_file))  # the one YAML reader: duplicate keys, octal and aliases refused
     return out + list(overrides)
 
 

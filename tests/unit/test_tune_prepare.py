@@ -154,3 +154,20 @@ def test_the_command_line_refuses_bad_searches_before_ray_starts(args, words, tm
     import ray
 
     assert not ray.is_initialized()
+
+
+def test_a_search_file_and_a_submitted_config_are_read_by_the_one_yaml_reader(tmp_path):
+    """A key given twice in --search-file, or in a config file sent with raylane submit, is
+    refused naming it (plain PyYAML would keep the last one silently)."""
+    from typer.testing import CliRunner
+
+    from raylane import config as cfg
+    from raylane.cli import app
+    from raylane.submission import config_overrides
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("lr: uniform(0.1,0.2)\nlr: uniform(0.2,0.3)\n")
+    res = CliRunner().invoke(app, ["tune", "linreg", "--search-file", str(twice), "--runs-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "duplicate key 'lr'" in res.output, res.output
+    with pytest.raises(cfg.ConfigError, match="duplicate key 'lr'"):
+        config_overrides(str(twice), [])
