@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from raylane.actors.envs import EnvBuildError
+from raylane.actors.env_errors import EnvBuildError
 
 INSTALL = 'pip install "raylane[envpool]"'
 

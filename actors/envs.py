@@ -10,16 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from raylane.actors.env_errors import EnvBuildError  # noqa: F401 - raised here, and part of this module's surface
+
 VECTOR_BACKENDS = ("sync", "async", "envpool")
 """``sync``: gymnasium's SyncVectorEnv, every copy stepped in the worker's process (best
 for cheap envs: no inter-process hop). ``async``: gymnasium's AsyncVectorEnv, one
 subprocess per copy (for envs whose step costs milliseconds; give the worker the CPUs).
 ``envpool``: envpool's C++ envs, every copy stepped in one call (only the ids envpool
 ships, no wrappers; an optional extra)."""
-
-
-class EnvBuildError(ValueError):
-    """An env that cannot be made as configured, with what to change."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ arrays go into the object store once and are read zero-copy by every actor on a 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -325,17 +328,12 @@ def partition(edge_index: np.ndarray, num_nodes: int, parts: int, *, seed: int =
         raise GraphError(f"{parts} partitions for a graph of {num_nodes} nodes: use at most {num_nodes} samplers")
     if parts == 1:
         return np.zeros(num_nodes, dtype=np.int64)
-    import pymetis
-
     src, dst = np.asarray(edge_index[0], dtype=np.int64), np.asarray(edge_index[1], dtype=np.int64)
     u, v = np.concatenate([src, dst]), np.concatenate([dst, src])
     keep = u != v
     code = _unique(u[keep] * num_nodes + v[keep])
     indptr, indices = csr_in(np.stack([code % num_nodes, code // num_nodes]), num_nodes)
-    opts = pymetis.Options(seed=seed)
-    adjacency = pymetis.CSRAdjacency(adj_starts=indptr.astype(np.int32), adjacent=indices.astype(np.int32))
-    _, membership = pymetis.part_graph(parts, adjacency, options=opts)
-    part = np.asarray(membership, dtype=np.int64)
+    part = _metis(parts, indptr.astype(np.int32), indices.astype(np.int32), seed)
     # METIS may leave a part empty on tiny or disconnected graphs; give it nodes so every
     # part has work (take from the largest part, keeping the assignment deterministic).
     for p in range(parts):
@@ -360,6 +358,37 @@ def feature_array(x: np.ndarray, dtype: str) -> np.ndarray:
         if big > float(np.finfo(np.float16).max):
             raise GraphError(f"feature_dtype='float16' cannot hold a feature of magnitude {big:g} (largest 65504): use float32 or rescale the features")
     return np.ascontiguousarray(x, dtype=dtype)
+
+
+_METIS = """
+import sys
+import numpy as np
+import pymetis
+folder, parts, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+adjacency = pymetis.CSRAdjacency(adj_starts=np.load(folder + "/indptr.npy"), adjacent=np.load(folder + "/indices.npy"))
+_, membership = pymetis.part_graph(parts, adjacency, options=pymetis.Options(seed=seed))
+np.save(folder + "/part.npy", np.asarray(membership, dtype=np.int64))
+"""
+
+
+def _metis(parts: int, indptr: np.ndarray, indices: np.ndarray, seed: int, timeout_s: float = 3600.0) -> np.ndarray:
+    """pymetis's partition of the CSR graph, computed in a fresh interpreter.
+
+    Why a process of its own: in a process where Ray had run, METIS (as pymetis builds it)
+    gave a different partition of the same graph now and then (two of five builds in one
+    test process), so a resumed run, or the reference a test compares with, walked other
+    batches. In a fresh interpreter the partition is a function of the graph and the seed
+    alone; the start costs a fraction of a second."""
+    with tempfile.TemporaryDirectory(prefix="raylane-metis-") as folder:
+        np.save(f"{folder}/indptr.npy", indptr)
+        np.save(f"{folder}/indices.npy", indices)
+        try:
+            subprocess.run([sys.executable, "-c", _METIS, folder, str(parts), str(seed)], check=True, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise GraphError(f"METIS did not partition the graph ({len(indptr) - 1} nodes, {len(indices)} edges) in {timeout_s:g} s") from None
+        except subprocess.CalledProcessError as exc:
+            raise GraphError(f"METIS failed on the graph ({len(indptr) - 1} nodes, {len(indices)} edges): {exc.stderr.strip().splitlines()[-1] if exc.stderr.strip() else exc}") from None
+        return np.load(f"{folder}/part.npy")
 
 
 def to_shared(data, parts: int, *, seed: int = 0, feature_dtype: str = "float32", undirected: bool = True) -> SharedGraph:

@@ -20,6 +20,7 @@ from torch import nn
 
 from raylane.actors.policy import ActorCritic, NetConfig, SpaceSpec
 from raylane.actors.ppo_learner import Learner, LearnerHost
+from raylane.checkpoint_parts import CHECKPOINT_GROUPS
 from raylane.actors.vtrace import vtrace
 
 
@@ -157,4 +158,4 @@ class ImpalaLearnerHost(LearnerHost):
         return stats, self.learner.weights()
 
 
-ImpalaLearnerActor = ray.remote(ImpalaLearnerHost)
+ImpalaLearnerActor = ray.remote(concurrency_groups=CHECKPOINT_GROUPS)(ImpalaLearnerHost)

@@ -39,6 +39,9 @@ import numpy as np
 import ray
 
 from raylane.actors.ps_layout import check_ids, init_rows
+from raylane.actors.ps_reshard import reshard
+from raylane.checkpoint_format import StoredPart
+from raylane.checkpoint_parts import CHECKPOINT_GROUPS, CheckpointParts, read_part
 from raylane.actors.ps_optim import OPTIMIZERS, UpdateRule
 
 MODES = ("sync", "async", "ssp")
@@ -339,13 +342,15 @@ class ShardCore:
                 "duplicates": self.duplicates, "next_clock": self.next_clock, "slowest": self.slowest()}
 
 
-@ray.remote(concurrency_groups={"wait": MAX_WORKERS, "update": 1})
-class ParamShard:
+@ray.remote(concurrency_groups={"wait": MAX_WORKERS, "update": 1, **CHECKPOINT_GROUPS})
+class ParamShard(CheckpointParts):
     """The shard as an actor. Pulls run in their own group of threads, so a pull that must
     wait for other workers' clocks waits without holding up the pushes that will let it go
     on; pushes and restores run one at a time in theirs; one lock guards the state. (Threads,
     not asyncio: an async actor cost ~1 ms more per call here, a fifth of a round trip.)
-    Up to 64 pulls can wait at once, so up to 64 workers per shard."""
+    Up to 64 pulls can wait at once, so up to 64 workers per shard. A checkpoint is the
+    shard's own part (:mod:`raylane.checkpoint_parts`): a snapshot under the lock, written
+    in its own thread while pulls and pushes go on."""
 
     def __init__(self) -> None:
         self.core: ShardCore | None = None  # set by setup(): a pool starts shards before it knows their numbers
@@ -391,6 +396,18 @@ class ParamShard:
 
     @ray.method(concurrency_group="update")
     def import_state(self, state: Mapping[str, Any]) -> None:
+        with self.cond:
+            self.core.import_state(state)
+            self.cond.notify_all()
+
+    @ray.method(concurrency_group="update")
+    def load_resharded(self, saved: list, sizes: Mapping[str, int]) -> None:
+        """Restore this shard from a checkpoint of ``len(saved)`` shards (their parts, or
+        their states given whole), re-cut for the shard count it runs with: each old part
+        read here, one at a time (see :mod:`raylane.actors.ps_reshard`)."""
+        c = self.core.config
+        old = ((j, read_part(p) if isinstance(p, StoredPart) else p) for j, p in enumerate(saved))
+        state = reshard(old, len(saved), c.index, c.shards, sizes)
         with self.cond:
             self.core.import_state(state)
             self.cond.notify_all()

@@ -104,6 +104,13 @@ class StageCore:
         """Every held layer's parameters and optimizer state, by layer index (as text)."""
         return {str(i): gpt.layer_state(m, self.opts[i]) for i, m in self.modules.items()}
 
+    def load_states(self, states: dict[str, Any]) -> None:
+        """Load ``states`` (layer index as text -> state) into the layers held now."""
+        if missing := sorted(set(map(str, self.modules)) - set(states), key=int):
+            raise ValueError(f"no state given for held layers {missing}")
+        for i, m in self.modules.items():
+            gpt.load_layer_state(m, self.opts[i], states[str(i)])
+
     def grads(self) -> dict[str, list[torch.Tensor]]:
         """Every held layer's accumulated gradients (CPU), by layer index (as text)."""
         return {str(i): [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu() for p in m.parameters()] for i, m in self.modules.items()}

@@ -22,6 +22,10 @@ Two ways to drive the stages through a schedule (:mod:`raylane.actors.pipeline_s
 What a failure means: a stage that dies takes its layers' trained state since the last
 checkpoint with it; the others' in-flight work for the batch is dropped (``abort``)
 and the job reloads every layer from the checkpoint, re-split over the live stages.
+
+Checkpoints: every stage of the first pipeline writes its own layers as a checkpoint part
+(:mod:`raylane.checkpoint_parts`); on load each stage reads only the parts that hold its
+layers, so a checkpoint of ``P`` stages loads onto any other number of them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import torch
 from raylane.actors.gloo_link import GlooLink, LinkError, Rendezvous, rendezvous, same_node
 from raylane.actors.pipeline_compute import StageConfig, StageCore
 from raylane.actors.pipeline_schedules import Schedule, submission_order
+from raylane.checkpoint_format import StoredPart
+from raylane.checkpoint_parts import CHECKPOINT_GROUPS, CheckpointParts, read_part
 from raylane.group.gang import gather_ranks
 
 
@@ -52,13 +58,44 @@ def _node_id() -> str:
 # ---------------------------------------------------------------- actors
 
 
-class _StageBase:
+_PART_TIMEOUT_S = 300.0  # a replica in another actor's memory, fetched through Ray
+
+
+def _read(part: Any) -> dict[str, Any]:
+    """A checkpoint part's layers: a stored part (read and checked here), a snapshot in
+    another actor's memory (an object reference: a replica restored from memory), or given whole."""
+    if isinstance(part, StoredPart):
+        return read_part(part)
+    if isinstance(part, ray.ObjectRef):
+        return ray.get(part, timeout=_PART_TIMEOUT_S)
+    return part
+
+
+class _StageBase(CheckpointParts):
     def __init__(self, config: StageConfig):
         self.core = StageCore(config)
 
-    def load(self, pieces: dict[int, Sequence[int]], last: int, states: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load(self, pieces: dict[int, Sequence[int]], last: int, states: dict[str, Any] | None = None,
+             parts: Sequence[StoredPart | dict] | None = None) -> dict[str, Any]:
+        """Hold the layers ``pieces[vstage]``: from ``states`` (layer index as text -> state),
+        from checkpoint ``parts`` (stored parts read and checked here, or snapshots given
+        whole; only this stage's layers are kept), or fresh when both are None."""
+        if parts is not None:
+            wanted = {str(i) for ids in pieces.values() for i in ids}
+            states = {}
+            for part in parts:
+                got = _read(part)
+                states.update({k: v for k, v in got.items() if k in wanted})
+            if missing := sorted(wanted - set(states), key=int):
+                raise ValueError(f"the checkpoint parts given to this stage hold no state for layers {missing}")
         self.core.load(pieces, last, states)
         return self.where()
+
+    def export_state(self) -> dict:
+        return self.core.state()  # copies, on the CPU
+
+    def import_state(self, state: Any) -> None:
+        self.core.load_states(state)
 
     def where(self) -> dict[str, Any]:
         return {"node": _node_id(), **self.core.where()}
@@ -73,7 +110,7 @@ class _StageBase:
         return self.core.step(peer_grads)
 
 
-@ray.remote
+@ray.remote(concurrency_groups=CHECKPOINT_GROUPS)
 class PipelineStage(_StageBase):
     """A stage driven one operation per call (the ``driver`` dispatch)."""
 
@@ -88,7 +125,7 @@ class Aborted(RuntimeError):
     """A linked stage gave up its batch: another stage of the pipeline failed."""
 
 
-@ray.remote(concurrency_groups={"inbox": 1})
+@ray.remote(concurrency_groups={"inbox": 1, **CHECKPOINT_GROUPS})
 class LinkedStage(_StageBase):
     """A stage that runs its whole list per call and sends outputs to its neighbours (the
     ``linked`` dispatch). ``deliver`` and ``abort`` run in their own thread, so they are

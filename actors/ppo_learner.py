@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from raylane.actors.policy import ActorCritic, NetConfig, RunningMeanStd, SpaceSpec, build_net
+from raylane.checkpoint_parts import CHECKPOINT_GROUPS, CheckpointParts
 
 
 def gae(
@@ -206,9 +207,10 @@ class Learner:
         self.rms.load(state["obs_rms"])
 
 
-class LearnerHost:
+class LearnerHost(CheckpointParts):
     """A :class:`Learner` in an actor (:data:`LearnerActor`); see the module docstring
-    for what it holds. Plain, so that other learners can share its methods."""
+    for what it holds. Plain, so that other learners can share its methods. It writes its
+    own checkpoint part (:mod:`raylane.checkpoint_parts`)."""
 
     def __init__(self, cfg: LearnerConfig):
         torch.set_num_threads(1)
@@ -235,5 +237,11 @@ class LearnerHost:
         self.learner.load_state(state)
         return self.learner.version
 
+    def export_state(self) -> dict:
+        return self.learner.state()
 
-LearnerActor = ray.remote(LearnerHost)
+    def import_state(self, state: dict) -> None:
+        self.learner.load_state(state)
+
+
+LearnerActor = ray.remote(concurrency_groups=CHECKPOINT_GROUPS)(LearnerHost)

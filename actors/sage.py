@@ -10,8 +10,10 @@ layer and never materialises a message per edge).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import zlib
 import time
 import warnings
 from collections.abc import Sequence
@@ -25,6 +27,7 @@ from torch import nn
 
 from raylane.actors.allocator import keep_freed_memory
 from raylane.actors.graph import SharedGraph
+from raylane.checkpoint_parts import CHECKPOINT_GROUPS, CheckpointParts
 
 
 
@@ -152,8 +155,10 @@ class GNNTrainerConfig:
     """Attention heads of each hidden layer (model=gat)."""
 
 
-class GNNTrainer:
-    """Ray actor: the GNN + Adam on sampled batches; evaluation on the full graph."""
+class GNNTrainer(CheckpointParts):
+    """Ray actor: the GNN + Adam on sampled batches; evaluation on the full graph. It writes
+    its own checkpoint part (:mod:`raylane.checkpoint_parts`): the model never passes
+    through the driver."""
 
     def __init__(self, config: GNNTrainerConfig, graph: SharedGraph):
         self.config = config
@@ -164,6 +169,7 @@ class GNNTrainer:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self._adj = None
         self.batches = 0
+        self.fed = ""  # digest of every batch trained on, in order (see _feed)
 
     def train(self, batch: dict) -> dict:
         """One optimizer step on one batch (as :func:`raylane.actors.gnn_sampler.make_batch`
@@ -186,6 +192,7 @@ class GNNTrainer:
         loss.backward()
         self.opt.step()
         self.batches += 1
+        self._feed(batch)
         return {
             "loss": float(loss.detach()),
             "correct": int((out.argmax(1) == y).sum()),
@@ -194,6 +201,14 @@ class GNNTrainer:
             "edges": int(ei.shape[1]),
             "train_s": time.perf_counter() - t0,
         }
+
+    def _feed(self, batch: dict) -> None:
+        """Chain the batch into :attr:`fed`: its key and a checksum of its sampled nodes and
+        edges. Two runs whose ``fed`` agree trained on the same batches in the same order,
+        which is what a run through sampler losses promises; the checksums cost well under a
+        millisecond a batch (the features follow from the nodes)."""
+        sums = [zlib.crc32(np.ascontiguousarray(batch[k]).tobytes()) for k in ("n_id", "edge_index")]
+        self.fed = hashlib.blake2b(f"{self.fed}|{tuple(batch.get('key', ()))}|{sums}".encode(), digest_size=8).hexdigest()
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -220,6 +235,7 @@ class GNNTrainer:
             "optimizer": buf.getvalue(),
             "rng": torch.get_rng_state(),
             "batches": self.batches,
+            "fed": self.fed,
         }
 
     def load_state(self, state: dict) -> None:
@@ -227,9 +243,16 @@ class GNNTrainer:
         self.opt.load_state_dict(torch.load(io.BytesIO(state["optimizer"]), weights_only=True, map_location=self.device))
         torch.set_rng_state(torch.as_tensor(state["rng"], dtype=torch.uint8))
         self.batches = int(state.get("batches", 0))  # checkpoints of older versions did not count
+        self.fed = str(state.get("fed", ""))
+
+    def export_state(self) -> dict:
+        return self.state()
+
+    def import_state(self, state: dict) -> None:
+        self.load_state(state)
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "device": str(self.device), "batches": self.batches}
+        return {"pid": os.getpid(), "device": str(self.device), "batches": self.batches, "fed": self.fed}
 
 
 def _to_cpu(obj):
@@ -267,7 +290,7 @@ def train_mlp_baseline(graph: SharedGraph, *, hidden: int = 128, layers: int = 2
     return best_test
 
 
-@ray.remote
+@ray.remote(concurrency_groups=CHECKPOINT_GROUPS)
 class GNNTrainerActor(GNNTrainer):
     """:class:`GNNTrainer` in a process of its own, whose allocator keeps freed memory
     (see :mod:`raylane.actors.allocator`): a training step allocates and frees dozens of

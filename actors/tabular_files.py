@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from raylane.actors.tabular import FORMATS, SKLEARN_DATASETS, SYNTHETIC_TASKS, FilePart, SourceError, TableSpec, check_feature_names, label_array
+from raylane.actors.table_spec import FORMATS, SKLEARN_DATASETS, SYNTHETIC_TASKS, FilePart, SourceError, TableSpec, check_feature_names, label_array
 
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
 MAX_CATEGORIES = 65_536

@@ -32,14 +32,13 @@ import numpy as np
 import ray
 import torch
 
-from raylane import config as cfg
 from raylane.actors.allocator import keep_freed_memory
 from raylane.actors.gnn_sampler import GNNSampler, GNNSamplerActor, SamplerConfig
 from raylane.actors.graph import FEATURE_DTYPES, feature_array, sbm_graph, to_shared
 from raylane.actors.sage import GNNTrainer, GNNTrainerConfig
 from raylane.actors.sampling import epoch_plan
-from raylane.driver import Driver
-from raylane.jobs.graphsage import GraphSAGEConfig, GraphSAGEWorkload
+from raylane.api import Driver, job_config
+from raylane.jobs.graphsage import GraphSAGEWorkload
 from raylane.runlog import read_jsonl
 
 
@@ -108,7 +107,7 @@ def epoch_in_process(graph, fanouts, batch_size: int, hidden: int, seed: int, ep
 def epoch_with_pool(graph, fanouts, batch_size: int, hidden: int, seed: int, samplers: int, prefetch: int, epochs: int) -> tuple[list[float], list[float], float]:
     """The ``graphsage`` job through the driver; per epoch its time and the trainer's compute, and the final test accuracy."""
     runs = tempfile.mkdtemp(prefix="gnn-bench-")
-    conf = cfg.load_config(GraphSAGEConfig, overrides=[
+    conf = job_config("graphsage", overrides=[
         f"fanouts={list(fanouts)}", f"batch_size={batch_size}", f"hidden={hidden}", f"epochs={epochs}", f"samplers={samplers}",
         "sampler_cpus=1", "trainer_cpus=1", f"prefetch={prefetch}", "batches_per_step=16", f"seed={seed}",
         "driver.progress=false", "driver.tensorboard=false", "driver.checkpoint_every_steps=0", f"driver.runs_dir={runs}", "driver.run_name=bench",

@@ -16,8 +16,8 @@ import time
 import ray
 from ray.util import ActorPool as RayActorPool
 
-from raylane.placement import RoleSpec
-from raylane.group import TaskPool
+from raylane.api import RoleSpec
+from raylane.api import TaskPool
 
 
 @ray.remote

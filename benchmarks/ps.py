@@ -28,11 +28,9 @@ import time
 import numpy as np
 import ray
 
-from raylane import config as cfg
 from raylane.actors.param_shard import ParamShard, ShardConfig
 from raylane.actors.ps_layout import dense_slices, row_shard
-from raylane.driver import Driver
-from raylane.jobs.ps_ctr import PSCTRConfig, PSCTRWorkload
+from raylane.api import Driver, job_config, workload
 
 
 @ray.remote
@@ -132,12 +130,12 @@ def part_auc(args) -> None:
     print(f"\n== 3. time to held-out AUC {args.target_auc} (ps_ctr, 2 workers, 2 shards, adagrad)")
     for mode in ("sync", "async", "ssp"):
         runs = tempfile.mkdtemp(prefix="ps-bench-")
-        conf = cfg.load_config(PSCTRConfig, overrides=[
+        conf = job_config("ps_ctr", overrides=[
             f"mode={mode}", "staleness=2", f"target_auc={args.target_auc}", "clocks_per_step=10", "driver.max_steps=200",
             "driver.progress=false", "driver.tensorboard=false", "driver.checkpoint_every_steps=0", f"driver.runs_dir={runs}", f"driver.run_name={mode}",
         ])
         t0 = time.perf_counter()
-        summary = Driver(PSCTRWorkload(conf), conf.driver).run()
+        summary = Driver(workload("ps_ctr", conf), conf.driver).run()
         wall = time.perf_counter() - t0
         m = summary["final_metrics"]
         print(f"  {mode + ('(2)' if mode == 'ssp' else ''):<8} {wall:7.1f} s   {m['clock']:5d} clocks   AUC {m['auc']:.4f}   pull wait {m['pull_wait_s']:.3f} s/step   {summary['state']}")

@@ -53,8 +53,8 @@ def raylane_sampling(steps: int) -> float:
     from raylane.actors.ppo_learner import Learner, LearnerConfig
     from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
     from raylane.jobs.rl_env import check_env
-    from raylane.placement import RoleSpec
-    from raylane.group import TaskPool
+    from raylane.api import RoleSpec
+    from raylane.api import TaskPool
 
     spec = check_env("CartPole-v1")
     weights = ray.put(Learner(LearnerConfig(spec=spec)).weights())
@@ -73,14 +73,13 @@ def raylane_sampling(steps: int) -> float:
 
 
 def raylane_solve(cap_s: float) -> tuple[float, int, float]:
-    from raylane.driver import Driver, DriverConfig
-    from raylane.jobs.ppo import PPOConfig, PPOWorkload
+    from raylane.api import Driver, job_config, workload
 
-    conf = PPOConfig(workers=WORKERS, envs_per_worker=ENVS, total_env_steps=2_000_000)
     with tempfile.TemporaryDirectory() as tmp:
-        conf.driver = DriverConfig(run_name="bench", runs_dir=tmp, max_steps=10**6, max_wall_s=cap_s, progress=False, tensorboard=False)
+        conf = job_config("ppo", {"workers": WORKERS, "envs_per_worker": ENVS, "total_env_steps": 2_000_000, "driver": {
+            "run_name": "bench", "runs_dir": tmp, "max_steps": 10**6, "max_wall_s": cap_s, "progress": False, "tensorboard": False}})
         t0 = time.perf_counter()
-        summary = Driver(PPOWorkload(conf), conf.driver).run()
+        summary = Driver(workload("ppo", conf), conf.driver).run()
         wall = time.perf_counter() - t0
     m = summary["final_metrics"]
     return wall, int(m["env_steps"]), float(m["return_mean"])

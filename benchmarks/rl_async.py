@@ -24,19 +24,15 @@ TARGET = 475.0
 
 
 def raylane_solve(job: str, cap_s: float, *overrides: str) -> tuple[float, int, float, list[dict]]:
-    from raylane import config as cfg
-    from raylane.driver import Driver
-    from raylane.jobs.impala import ImpalaConfig, ImpalaWorkload
-    from raylane.jobs.ppo import PPOConfig, PPOWorkload
+    from raylane.api import Driver, job_config, workload
     from raylane.runlog import read_jsonl
 
-    conf_cls, wl = (ImpalaConfig, ImpalaWorkload) if job == "impala" else (PPOConfig, PPOWorkload)
     with tempfile.TemporaryDirectory() as tmp:
-        conf = cfg.load_config(conf_cls, overrides=["workers=2", "envs_per_worker=8", "total_env_steps=5000000", "plot=false",
+        conf = job_config(job, overrides=["workers=2", "envs_per_worker=8", "total_env_steps=5000000", "plot=false",
                                                     f"driver.runs_dir={tmp}", "driver.run_name=bench", f"driver.max_wall_s={cap_s}",
                                                     "driver.progress=false", "driver.tensorboard=false", *overrides])
         t0 = time.perf_counter()
-        summary = Driver(wl(conf), conf.driver).run()
+        summary = Driver(workload(job, conf), conf.driver).run()
         wall = time.perf_counter() - t0
         rows = read_jsonl(f"{tmp}/bench/metrics.jsonl")
     m = summary["final_metrics"]

@@ -84,8 +84,8 @@ def bare_with_policy(env_id: str, backend: str, n: int, seconds: float) -> float
 def raylane(env_id: str, backend: str, workers: int, envs: int, seconds: float) -> float:
     from raylane.actors.ppo_learner import Learner, LearnerConfig
     from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
-    from raylane.group import TaskPool
-    from raylane.placement import RoleSpec
+    from raylane.api import TaskPool
+    from raylane.api import RoleSpec
 
     spec = spec_of(env_id, backend)
     weights = ray.put(Learner(LearnerConfig(spec=spec)).weights())
@@ -109,8 +109,8 @@ def raylane_stream(env_id: str, backend: str, workers: int, envs: int, seconds: 
     from raylane.actors.ppo_learner import Learner, LearnerConfig
     from raylane.actors.rollout_worker import RolloutConfig
     from raylane.actors.stream_worker import StreamConfig, StreamWorker
-    from raylane.group import TaskPool
-    from raylane.placement import RoleSpec
+    from raylane.api import TaskPool
+    from raylane.api import RoleSpec
 
     spec = spec_of(env_id, backend)
     box = [ray.put(Learner(LearnerConfig(spec=spec)).weights())]

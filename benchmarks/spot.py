@@ -6,8 +6,8 @@ notice, against the same job fault-free and against restart-everything recovery.
 
 One process tree: a simulated cluster (``raylane.testing.spotmarket``: an on-demand head with 2
 CPUs and two spot nodes with 2 CPUs each, real raylets) kept for all runs. For every
-workload (PPO on CartPole, GraphSAGE on the generated graph, XGBoost with its trainers on
-spot) and every mode, the job runs for ``--duration`` seconds of wall time:
+workload (PPO on CartPole, GraphSAGE on the generated graph, the CTR model on parameter
+shards, the pipeline-parallel language model, XGBoost with its trainers on spot) and every mode, the job runs for ``--duration`` seconds of wall time:
 
 * ``fault-free``: no preemptions.
 * ``notice``: a spot node preempted every ``--every`` seconds with ``--notice`` seconds of
@@ -22,7 +22,10 @@ goodput (steps per second) and its ratio to fault-free (targets: >= 0.9 with not
 about it; for notice runs, notice -> NodeLeaving) and recovery time (node removed -> the end
 of the first step begun after it that goes past the most progress made before it; target
 <= 5 s), and the longest
-stall between two steps in the run (where a restart shows). Writes ``spot_<workload>.png`` (steps
+stall between two steps in the run (where a restart shows), the cost per thousand steps
+at the planned placement (``--stateful-market spot`` puts the stateful roles on spot
+nodes too; spot CPU-hours at 0.35 of on-demand), and where each recovery restored from
+(``memory``: peer replicas, ``store``: the last checkpoint) with the steps it rolled back. Writes ``spot_<workload>.png`` (steps
 against time, preemptions marked) into ``--out``.
 """
 
@@ -44,18 +47,22 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from raylane import config as cfg  # noqa: E402
-from raylane.driver import Driver  # noqa: E402
-from raylane.group import PoolError  # noqa: E402
+from raylane.api import Driver  # noqa: E402
+from raylane.prepare import build, job_config  # noqa: E402
+from raylane.api import PoolError  # noqa: E402
 from raylane.preemption import NodeLost  # noqa: E402
 from raylane.registry import get  # noqa: E402
 from raylane.testing.spotmarket import SpotMarket  # noqa: E402
 
 SPOT = ("spot-a", "spot-b")
+PRICE = {"on-demand": 1.0, "spot": 0.35}  # per CPU-hour: spot at 0.35 of on-demand
 
 OVERRIDES = {
     "ppo": ["workers=2", "worker_cpus=1", "total_env_steps=1000000000", "target_return=null", "driver.checkpoint_every_steps=10"],
     "graphsage": ["graph.nodes=20000", "epochs=100000", "samplers=2", "sampler_cpus=1", "trainer_cpus=1", "driver.checkpoint_every_steps=5"],
+    "ps_ctr": ["rows=40000", "eval_rows=4000", "workers=2", "shards=2", "shard_cpus=0.5", "worker_cpus=0.5", "mode=sync", "clocks_per_step=5",
+               "target_auc=0", "driver.checkpoint_every_steps=10"],
+    "pipeline_lm": ["stages=2", "stage_cpus=1", "micro_batches=4", "replace_timeout_s=10", "driver.checkpoint_every_steps=10"],
     "xgboost": ["data.source=synthetic:classification", "data.rows=100000", "data.num_features=16", "num_boost_round=1000000", "checkpoint_every=5",
                 "trainers=2", "threads=1", "prefer_spot=true"],
 }
@@ -87,6 +94,7 @@ class RestartAll:
         return self.inner.step(step)
 
     def recover(self, ctx: Any, error: BaseException) -> None:
+        ctx.groups.shutdown()
         self.inner.close()
         self.inner.setup(ctx)
 
@@ -124,10 +132,11 @@ def run_one(market: SpotMarket, job: str, mode: str, args, runs: Path) -> dict[s
     restore(market)
     spec = get(job)
     name = f"{job}-{mode}"
-    conf = cfg.load_config(spec.config_cls, overrides=OVERRIDES[job] + [
-        "driver.max_steps=1000000000", f"driver.max_wall_s={args.duration}", "driver.progress=false", "driver.tensorboard=false",
+    # (xgboost derives its steps from its rounds and refuses driver.max_steps)
+    conf = job_config(spec, overrides=OVERRIDES[job] + ([] if job == "xgboost" else ["driver.max_steps=1000000000"]) + [
+        f"driver.stateful_market={args.stateful_market}", f"driver.max_wall_s={args.duration}", "driver.progress=false", "driver.tensorboard=false",
         f"driver.runs_dir={runs}", f"driver.run_name={name}", "driver.max_failures=1000"])
-    workload = spec.build(conf)
+    workload = build(spec, conf)
     if mode == "restart-all":
         workload = RestartAll(workload)
     market.log.clear()
@@ -156,7 +165,10 @@ def run_one(market: SpotMarket, job: str, mode: str, args, runs: Path) -> dict[s
             notice_seen.append(seen[0] - t)
     times = [r["time"] for r in rows]
     stall = max((b - a for a, b in zip(times, times[1:])), default=0.0)  # the longest wait between two steps
-    return {"job": job, "mode": mode, "steps": summary["steps"], "stall": stall, "wall": wall, "state": summary["state"], "recoveries": summary["failures_recovered"],
+    plan = next(e for e in events if e["event"] == "plan")["assignments"]
+    price = sum(a["resources"].get("CPU", 0.0) * PRICE[a["market"]] for a in plan)  # per hour, as planned at the start
+    restored = [e for e in events if e["event"] == "restored"]
+    return {"job": job, "mode": mode, "steps": summary["steps"], "price_per_h": price, "restored": [(e["source"], e["steps_rolled_back"]) for e in restored], "stall": stall, "wall": wall, "state": summary["state"], "recoveries": summary["failures_recovered"],
             "losses": len(losses), "detect": detect, "notice_seen": notice_seen, "recover": recover,
             "curve": [(r["time"] - t0, r["step"]) for r in rows], "marks": [t - t0 for t in losses]}
 
@@ -220,6 +232,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=240.0, help="wall seconds per run")
     ap.add_argument("--modes", nargs="+", default=["fault-free", "notice", "no-notice", "restart-all"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stateful-market", default="on-demand", choices=["on-demand", "spot", "any"],
+                    help="driver.stateful_market: where the stateful roles (shards, learners, trainers) go")
     ap.add_argument("--out", default=".", help="folder for the PNG plots")
     args = ap.parse_args()
     out = Path(args.out)
@@ -232,17 +246,20 @@ def main() -> None:
         ray.init(address=market.address, log_to_driver=False)
         for name in SPOT:
             market.add_node("spot", speed=1.0, cpus=2, name=name)
-        print(f"preemptions every {args.every:g} s ({args.notice:g} s notice in notice mode), {args.duration:g} s per run")
+        print(f"preemptions every {args.every:g} s ({args.notice:g} s notice in notice mode), {args.duration:g} s per run, "
+              f"stateful roles on {args.stateful_market}; price per CPU-hour: on-demand 1, spot {PRICE['spot']}")
         for job in args.workloads:
             results = [run_one(market, job, mode, args, runs) for mode in args.modes]
             base = next((r for r in results if r["mode"] == "fault-free"), None)
             print(f"\n== {job}")
-            print(f"{'mode':<12}{'steps':>7}{'steps/s':>9}{'ratio':>7}  losses  recoveries  stall  detection            recovery (node gone -> new progress)")
+            print(f"{'mode':<12}{'steps':>7}{'steps/s':>9}{'ratio':>7}{'cost/kstep':>11}  losses  recoveries  stall  detection            recovery (node gone -> new progress)  restored from (steps back)")
             for r in results:
                 rate = r["steps"] / r["wall"]
                 ratio = f"{rate / (base['steps'] / base['wall']):.2f}" if base and base["steps"] else "-"
+                cost = r["price_per_h"] / 3600 / rate * 1000 if rate else float("inf")
                 det = fmt(r["notice_seen"]) + " notice" if r["mode"] == "notice" else fmt(r["detect"])
-                print(f"{r['mode']:<12}{r['steps']:>7}{rate:>9.2f}{ratio:>7}  {r['losses']:>6}  {r['recoveries']:>10}  {r['stall']:4.1f}s  {det:<20} {fmt(r['recover'])}")
+                back = ", ".join(f"{src} ({n})" for src, n in r["restored"]) or "-"
+                print(f"{r['mode']:<12}{r['steps']:>7}{rate:>9.2f}{ratio:>7}{cost:>11.4f}  {r['losses']:>6}  {r['recoveries']:>10}  {r['stall']:4.1f}s  {det:<20} {fmt(r['recover']):<37} {back}")
             print(f"plot: {plot(job, results, out)}", flush=True)
             (out / f"spot_{job}.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in results], indent=1))
     finally:

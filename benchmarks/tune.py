@@ -60,8 +60,8 @@ def settle(market) -> None:
 
 
 def raylane_search(market, args, runs: Path, name: str, faults: bool) -> dict:
-    from raylane.tune_run import Search, tune
-    from raylane.tune_space import parse_search
+    from raylane.tune.run import Search, tune
+    from raylane.tune.space import parse_search
 
     settle(market)
     s = Search(job="ppo", space=parse_search(["lr=loguniform(3e-4,3e-3)"]),

@@ -38,8 +38,8 @@ from sklearn.metrics import roc_auc_score  # noqa: E402
 
 from raylane.actors.tabular import synthetic_rows  # noqa: E402
 from raylane.cluster import ClusterView  # noqa: E402
-from raylane.driver import Driver, DriverConfig  # noqa: E402
-from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig, XGBoostWorkload  # noqa: E402
+from raylane.api import Driver, DriverConfig, job_config, workload  # noqa: E402
+from raylane.jobs.xgboost import DataConfig, XGBoostJobConfig  # noqa: E402
 from raylane.runlog import read_jsonl  # noqa: E402
 
 SEED = 0
@@ -60,16 +60,16 @@ def raylane(rows: int, features: int, rounds: int, evals: bool, trainers: int, t
     wait_cpus_free()
     name = f"bench-{trainers}x{threads}-{time.time_ns()}"
     t0, started_at = time.perf_counter(), time.time()
-    conf = XGBoostJobConfig(
+    conf = job_config("xgboost", XGBoostJobConfig(
         data=DataConfig(source="synthetic:classification", rows=rows, num_features=features, seed=SEED, eval_fraction=0.0),
         params=dict(PARAMS),
         num_boost_round=rounds,
         trainers=trainers,
         threads=threads,
         eval_train=evals,
-    )
-    conf.driver = DriverConfig(run_name=name, runs_dir=runs_dir, progress=False)
-    summary = Driver(XGBoostWorkload(conf), conf.driver).run()
+        driver=DriverConfig(run_name=name, runs_dir=runs_dir, progress=False),
+    ))
+    summary = Driver(workload("xgboost", conf), conf.driver).run()
     wall = time.perf_counter() - t0
     assert summary["state"] == "finished", summary
     run = Path(runs_dir) / name

@@ -37,13 +37,9 @@ from raylane import config as cfg
 from raylane.actors.fed_client import ClientConfig, FedClient, make_model
 from raylane.actors.fed_data import DIGITS_CLIENTS, FedDataConfig, FedSource, describe_table, load, load_digits_split
 from raylane.actors.fed_math import aggregate, drops_out, is_straggler, partition, sample_clients
-from raylane.driver import Context, DriverConfig
-from raylane.group import TaskPool
+from raylane.api import BaseWorkload, Context, DriverConfig, JobSpec, RoleSpec, TaskPool
 from raylane.launch import job_main
-from raylane.placement import RoleSpec
-from raylane.registry import JobSpec
 from raylane.runlog import say
-from raylane.workload import BaseWorkload
 
 ROLE = "fed_client"
 FEDPROX_MU = 0.01
@@ -112,12 +108,8 @@ class FederatedConfig:
         if self.data.path is not None and self.alpha is not None:
             raise ValueError(f"alpha={self.alpha} skews the digits split; with data.path the column "
                              f"{self.data.client_column!r} says whose each row is: drop alpha")
-        source = self.source()
-        if self.clients_per_round > source.clients:
-            raise ValueError(f"clients_per_round ({self.clients_per_round}) cannot exceed clients ({source.clients})")
-        if source.table is None:
-            _, y, _, _ = load_digits_split(self.seed, self.test_fraction)
-            partition(y, source.clients, self.alpha, self.seed)  # every client gets rows, or a clear error now
+        if self.data.path is None and self.clients_per_round > (self.clients or DIGITS_CLIENTS):
+            raise ValueError(f"clients_per_round ({self.clients_per_round}) cannot exceed clients ({self.clients or DIGITS_CLIENTS})")
 
     def source(self) -> FedSource:
         """Where the rows come from; a table is checked here (columns, labels, client ids)."""
@@ -135,6 +127,18 @@ class FederatedConfig:
         return 0.0 if self.algorithm == "fedavg" else (FEDPROX_MU if self.mu is None else self.mu)
 
 
+def prepare(c: FederatedConfig) -> FedSource:
+    """The job's prepare: where the rows come from, read and checked once (a table's columns,
+    labels and client ids; every client of the digits split gets rows), before Ray starts."""
+    source = c.source()
+    if c.clients_per_round > source.clients:
+        raise ValueError(f"clients_per_round ({c.clients_per_round}) cannot exceed clients ({source.clients})")
+    if source.table is None:
+        _, y, _, _ = load_digits_split(c.seed, c.test_fraction)
+        partition(y, source.clients, c.alpha, c.seed)  # every client gets rows, or a clear error now
+    return source
+
+
 class FederatedWorkload(BaseWorkload):
     name = "federated"
     main_metric = "accuracy"
@@ -142,11 +146,11 @@ class FederatedWorkload(BaseWorkload):
     metrics = ("accuracy", "loss", "participants", "partial", "dropped", "lost", "late", "round_s", "actors")
     progress_metrics = ("accuracy", "participants")
 
-    def __init__(self, config: FederatedConfig):
-        cfg.validate(config)
+    def __init__(self, config: FederatedConfig, source: FedSource | None = None):
+        """``source``: where the rows come from, as :func:`prepare` checked it; read here when None."""
         self.config = config
         c = config
-        self.source = c.source()
+        self.source = source if source is not None else prepare(config)
         # Budget, before the rows are read: here and again in every client actor (each reads
         # them all), rows x (features x 12 bytes: the columns read, their float32 matrix and the
         # training copy; + 100 a row for label, owner, indices and the client id as read).
@@ -179,8 +183,7 @@ class FederatedWorkload(BaseWorkload):
         client = ClientConfig(self.source, c.hidden, c.lr, c.batch_size)
         # A call never outlives its round by much (clients stop at the deadline), so the
         # pool's own timeout only catches an actor that hangs.
-        self.pool = TaskPool(self.roles()[0], FedClient, actor_args=lambda key: ((client,), {}), size=max(1, min(c.actors, ctx.count(ROLE))),
-                             call_timeout_s=c.round_deadline_s + self.grace_s + 60.0)
+        self.pool = ctx.task_pool(ROLE, FedClient, actor_args=lambda key: ((client,), {}), call_timeout_s=c.round_deadline_s + self.grace_s + 60.0)
         self.pool.wait_ready(timeout_s=180)
 
     @property
@@ -234,25 +237,13 @@ class FederatedWorkload(BaseWorkload):
     def load_state_dict(self, state: dict) -> None:
         self.weights = {k: np.asarray(v).copy() for k, v in state["weights"].items()}
 
-    def pools(self) -> dict[str, TaskPool]:
-        return {} if self.pool is None else {ROLE: self.pool}
-
-    def recover(self, ctx: Context, error: BaseException) -> None:
-        assert self.pool is not None
-        self.pool.wait_for(1, timeout_s=180)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
-
 
 def _planned(rows: int, batch_size: int, epochs: int) -> int:
     return epochs * -(-rows // batch_size)
 
 
 JOB = JobSpec("federated", "FedAvg / FedProx over logical clients with their own (non-IID) data, digits or your table, on spot client actors; partial work of stragglers counts.",
-              FederatedConfig, FederatedWorkload)
+              FederatedConfig, FederatedWorkload, prepare=prepare)
 
 if __name__ == "__main__":
     job_main(JOB)

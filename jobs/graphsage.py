@@ -32,12 +32,8 @@ from raylane.actors.graph import ARRAYS, FEATURE_DTYPES, SharedGraph, sbm_graph,
 from raylane.actors.graph_io import load_graph
 from raylane.actors.sage import GNNTrainerActor, GNNTrainerConfig
 from raylane.actors.sampling import check_fanouts, epoch_plan
-from raylane.driver import Context, DriverConfig
-from raylane.workload import BaseWorkload
+from raylane.api import BaseWorkload, Context, DriverConfig, JobSpec, PoolError, RoleSpec, TaskPool, snapshot
 from raylane.launch import job_main
-from raylane.placement import RoleSpec
-from raylane.group import TaskPool
-from raylane.registry import JobSpec
 
 SAMPLERS, TRAINER = "gnn_sampler", "gnn_trainer"
 
@@ -224,6 +220,16 @@ def describe_input(report: dict) -> list[str]:
     return lines
 
 
+def prepare(c: GraphSAGEConfig) -> SharedGraph:
+    """The job's prepare: the graph generated or read once (its memory budget first: an extra
+    zero in graph.nodes is terabytes), partitioned and described, before any actor starts."""
+    budget.check(GraphSAGEWorkload.name, c.graph.memory())
+    graph = to_shared(c.graph.load(), c.samplers, seed=c.seed, feature_dtype=c.feature_dtype, undirected=c.graph.undirected)
+    for line in describe_input(graph.report):
+        print(f"raylane: graphsage: {line}", file=sys.stderr, flush=True)
+    return graph
+
+
 class GraphSAGEWorkload(BaseWorkload):
     name = "graphsage"
     main_metric = "test_acc"
@@ -233,16 +239,10 @@ class GraphSAGEWorkload(BaseWorkload):
     progress_metrics = ("epoch", "loss", "val_acc", "seeds_per_s")
 
     def __init__(self, config: GraphSAGEConfig, graph: SharedGraph | None = None):
+        """``graph``: the graph :func:`prepare` built; built here when None."""
         self.config = config
         c = config
-        cfg.validate(config)
-        # Everything about the input is checked here, before any actor starts.
-        if graph is None:
-            budget.check(self.name, c.graph.memory())  # before the graph is built: an extra zero in graph.nodes is terabytes
-            graph = to_shared(c.graph.load(), c.samplers, seed=c.seed, feature_dtype=c.feature_dtype, undirected=c.graph.undirected)
-            for line in describe_input(graph.report):
-                print(f"raylane: graphsage: {line}", file=sys.stderr, flush=True)
-        self.graph = graph
+        self.graph = graph if graph is not None else prepare(config)
         self.plan = epoch_plan([len(s) for s in self.graph.train_seeds], c.batch_size)
         self.n_train = sum(len(s) for s in self.graph.train_seeds)
         self.cursor = 0  # global batch number: epoch * len(plan) + position
@@ -281,13 +281,11 @@ class GraphSAGEWorkload(BaseWorkload):
             ctx.log.event("graph_input", **self.graph.report)  # what describe_input printed when the graph was built
         # One copy in the object store; every actor on a node maps the same pages.
         self._graph_ref = ray.put(self.graph)
-        roles = {r.name: r for r in self.roles()}
         tc = self._trainer_config()
         # Two train calls at the trainer: the next batch starts the moment one is done,
         # not after a round trip through the driver (which shares a core with the samplers).
-        self.trainer = TaskPool(roles[TRAINER], GNNTrainerActor, actor_args=lambda key: ((tc, self._graph_ref), {}), size=1, call_timeout_s=c.batch_timeout_s, queue_depth=2)
-        size = max(1, min(c.samplers, ctx.count(SAMPLERS)))
-        self.samplers = TaskPool(roles[SAMPLERS], GNNSamplerActor, actor_args=self._sampler_args, size=size, call_timeout_s=c.batch_timeout_s, on_timeout="retry")
+        self.trainer = ctx.task_pool(TRAINER, GNNTrainerActor, actor_args=lambda key: ((tc, self._graph_ref), {}), call_timeout_s=c.batch_timeout_s, queue_depth=2)
+        self.samplers = ctx.task_pool(SAMPLERS, GNNSamplerActor, actor_args=self._sampler_args, call_timeout_s=c.batch_timeout_s, on_timeout="retry")
         self.trainer.wait_ready(timeout_s=180)
         self.samplers.wait_ready(timeout_s=180)
         ctx.log.event("graph", nodes=self.graph.num_nodes, edges=self.graph.num_edges, parts=self.graph.num_parts,
@@ -386,7 +384,9 @@ class GraphSAGEWorkload(BaseWorkload):
         train = np.concatenate(self.graph.train_seeds)
         seen = self.coverage[train]
         outside = int(self.coverage.sum() - seen.sum())
-        coverage = {"epoch": epoch, "train_nodes": int(len(train)), "min_visits": int(seen.min()), "max_visits": int(seen.max()), "visits_outside_train": outside}
+        coverage = {"epoch": epoch, "train_nodes": int(len(train)), "min_visits": int(seen.min()), "max_visits": int(seen.max()), "visits_outside_train": outside,
+                    # the trainer's digest of every batch it trained on so far, in order: equal in two runs that trained on the same batches
+                    "trained_digest": self.trainer.call_one("info", timeout_s=self.trainer_wait_s)["fed"]}
         self._ctx.log.event("epoch_coverage", **coverage)
         if coverage["min_visits"] != 1 or coverage["max_visits"] != 1 or outside:
             raise RuntimeError(f"epoch {epoch} did not visit every training seed exactly once: {coverage}")
@@ -404,8 +404,12 @@ class GraphSAGEWorkload(BaseWorkload):
     # ---------------------------------------------------------------- state and faults
 
     def state_dict(self) -> dict:
+        handles = self.trainer.actors()
+        if not handles:
+            raise PoolError(f"role {TRAINER!r}: the trainer is not live, so its state cannot be checkpointed")
         return {
-            "trainer": self.trainer.call_one("state", timeout_s=self.trainer_wait_s),
+            # The trainer snapshots its model and writes it itself (the driver never holds it).
+            "trainer": snapshot({"0": handles[0]}, timeout_s=self.trainer_wait_s)["0"],
             "cursor": self.cursor,
             "coverage": self.coverage.copy(),
             "last_eval": dict(self.last_eval),
@@ -416,7 +420,7 @@ class GraphSAGEWorkload(BaseWorkload):
         if int(state["plan_len"]) != len(self.plan):
             raise ValueError(f"the checkpoint is of a run with {state['plan_len']} batches per epoch, this config makes {len(self.plan)}: "
                              "resume with the same graph, samplers and batch_size, or start a new run name")
-        self.trainer.call_one("load_state", state["trainer"], timeout_s=self.trainer_wait_s)
+        self.trainer.call_one("load_part", state["trainer"], timeout_s=self.trainer_wait_s)  # the trainer reads its own part
         self.cursor = int(state["cursor"])
         self.coverage = np.asarray(state["coverage"], dtype=np.int32).copy()
         self.last_eval = dict(state["last_eval"])
@@ -424,24 +428,10 @@ class GraphSAGEWorkload(BaseWorkload):
             self.samplers.cancel(self._inflight.values())
         self._inflight = {}
 
-    def pools(self) -> dict[str, TaskPool]:
-        return {role: p for role, p in ((TRAINER, self.trainer), (SAMPLERS, self.samplers)) if p is not None}
-
-    def recover(self, ctx: Context, error: BaseException) -> None:
-        # The pools replace dead actors; a lost trainer comes back empty and the driver
-        # reloads the last checkpoint into it right after this.
-        assert self.trainer is not None and self.samplers is not None
-        self.trainer.wait_for(1, timeout_s=180)
-        self.samplers.wait_for(1, timeout_s=180)
-
-    def close(self) -> None:
-        for pool in (self.samplers, self.trainer):
-            if pool is not None:
-                pool.shutdown()
-        self.samplers = self.trainer = None
 
 
-JOB = JobSpec("graphsage", "GraphSAGE on mini-batches from sampler actors over a METIS-partitioned graph; samplers on spot, trainer on demand.", GraphSAGEConfig, GraphSAGEWorkload)
+JOB = JobSpec("graphsage", "GraphSAGE on mini-batches from sampler actors over a METIS-partitioned graph; samplers on spot, trainer on demand.", GraphSAGEConfig, GraphSAGEWorkload,
+              prepare=prepare)
 
 if __name__ == "__main__":
     job_main(JOB)

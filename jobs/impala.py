@@ -33,14 +33,10 @@ from raylane.actors.impala_learner import ImpalaLearnerActor, ImpalaLearnerConfi
 from raylane.actors.rollout_worker import RolloutConfig
 from raylane.actors.stream_worker import StreamConfig, StreamWorker
 from raylane.actors.vtrace import split_stale
-from raylane.driver import Context, DriverConfig
-from raylane.group import Gang, Membership, PoolError, TaskPool
+from raylane.api import BaseWorkload, Context, DriverConfig, Gang, JobSpec, Part, PoolError, RoleSpec, TaskPool
 from raylane.jobs.ppo import RETURN_WINDOW, plot_returns
-from raylane.jobs.rl_env import RLEnvConfig, announce_emulation, check_budget, resolve
+from raylane.jobs.rl_env import RLEnvConfig, RLInputs, announce_emulation, check_budget, resolve
 from raylane.launch import job_main
-from raylane.placement import RoleSpec
-from raylane.registry import JobSpec
-from raylane.workload import BaseWorkload
 
 WORKERS, LEARNER = "rollout_worker", "learner"
 
@@ -122,7 +118,6 @@ class ImpalaConfig(RLEnvConfig):
         if self.queue_depth < self.fragments_per_update:
             raise ValueError(f"queue_depth ({self.queue_depth}) must be at least fragments_per_update "
                              f"({self.fragments_per_update}): an update takes that many fragments from the queue")
-        resolve(self)
 
 
 class ImpalaWorkload(BaseWorkload):
@@ -132,9 +127,10 @@ class ImpalaWorkload(BaseWorkload):
     metrics = ("return_mean", "env_steps", "env_steps_per_s", "updates_per_s", "episodes", "workers", "staleness_mean", "staleness_max", "dropped_stale", "dropped_full", "lost_fragments", "learner_wait_s", "learner_wait_max_s", "fragment_s_max", "loss", "policy_loss", "value_loss", "entropy", "rho_mean", "rho_clipped", "lr")
     progress_metrics = ("env_steps", "updates_per_s", "return_mean")
 
-    def __init__(self, config: ImpalaConfig):
+    def __init__(self, config: ImpalaConfig, inputs: RLInputs | None = None):
+        """``inputs``: the env and network as :func:`raylane.jobs.rl_env.resolve` checked them (the job's prepare); read here when None."""
         self.config = config
-        self.recipe, self.net, self.spec = resolve(config)
+        self.recipe, self.net, self.spec = inputs if inputs is not None else resolve(config)
         # At a speed-1 node (envs_by_speed scales a faster node's copies up). The driver
         # fetches every fragment: queue_depth wait for the learner, and each of up to
         # max_workers workers has one more on its way; an update takes fragments_per_update
@@ -176,16 +172,18 @@ class ImpalaWorkload(BaseWorkload):
     def setup(self, ctx: Context) -> None:
         c = self.config
         self._ctx = ctx
-        roles = {r.name: r for r in self.roles()}
         lc = self._learner_config()
-        self.learner = Gang(roles[LEARNER], ImpalaLearnerActor, actor_args=lambda key: ((lc,), {}), size=1, rank_name="learner", start_timeout_s=180)
-        size = max(1, min(c.workers, ctx.count(WORKERS)))
-        self.workers = TaskPool(roles[WORKERS], StreamWorker, actor_args=self._worker_args, size=size,
-                                call_timeout_s=c.fragment_timeout_s, on_timeout="retry", queue_depth=2)
+        self.learner = ctx.gang(LEARNER, ImpalaLearnerActor, actor_args=lambda key: ((lc,), {}), rank_name="learner", start_timeout_s=180)
+        self.workers = ctx.task_pool(WORKERS, StreamWorker, actor_args=self._worker_args, call_timeout_s=c.fragment_timeout_s, on_timeout="retry", queue_depth=2)
         announce_emulation(ctx, c.emulate_step_s)
         self.learner.form(timeout_s=180)
         self.workers.wait_ready(timeout_s=180)
         self._publish(self._learner_call("weights"))
+
+    def _learner_part(self) -> Part:
+        """The learner's snapshot for a checkpoint: it writes its own part (the driver never holds the weights)."""
+        assert self.learner is not None
+        return Part(self.learner.handles()[0], **self._learner_call("snapshot_part"))
 
     def _learner_call(self, method: str, *args: Any) -> Any:
         """The learner's answer; a lost learner raises ``GroupLost`` (only :meth:`recover`
@@ -339,13 +337,13 @@ class ImpalaWorkload(BaseWorkload):
     # ---------------------------------------------------------------- state and faults
 
     def state_dict(self) -> dict:
-        return {"learner": self._learner_call("state"), "env_steps": self.env_steps, "episodes": self.episodes,
+        return {"learner": self._learner_part(), "env_steps": self.env_steps, "episodes": self.episodes,
                 "returns": list(self.returns), "dropped_stale": self.dropped_stale, "lost_fragments": self.lost_fragments,
                 "dropped_full": self.dropped_full, "staleness": {str(k): v for k, v in self._staleness.items()},
                 "nodes": {nid: {"speed": float(n["speed"]), "market": str(n["market"]), "steps": int(n["steps"])} for nid, n in self._nodes.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self._learner_call("load_state", state["learner"])
+        self._learner_call("load_part", state["learner"])  # the learner reads its own part (or takes a replica)
         self.env_steps, self.episodes = int(state["env_steps"]), int(state["episodes"])
         self.returns = deque((float(x) for x in state["returns"]), maxlen=RETURN_WINDOW)
         self.dropped_stale, self.lost_fragments = int(state["dropped_stale"]), int(state["lost_fragments"])
@@ -359,27 +357,14 @@ class ImpalaWorkload(BaseWorkload):
         self._queue.clear()
         self._publish(self._learner_call("weights"))
 
-    def pools(self) -> dict[str, Membership]:
-        return {role: p for role, p in ((LEARNER, self.learner), (WORKERS, self.workers)) if p is not None}
-
-    def recover(self, ctx: Context, error: BaseException) -> None:
-        assert self.learner is not None and self.workers is not None
-        self.learner.form(timeout_s=180)
-        self.workers.wait_for(1, timeout_s=180)  # not the full target: capacity may be gone
-
     def finish(self, ctx: Context) -> None:
         self._log_sampling(self._last_elapsed)
         if self.config.plot:
             plot_returns(ctx.run_dir, title="IMPALA" if self.config.loss == "vtrace" else "APPO")
 
-    def close(self) -> None:
-        for pool in (self.workers, self.learner):
-            if pool is not None:
-                pool.shutdown()
-        self.workers = self.learner = None
 
-
-JOB = JobSpec("impala", "Asynchronous RL (IMPALA/APPO with V-trace): streaming rollout workers on spot, a learner that never waits for the slowest.", ImpalaConfig, ImpalaWorkload)
+JOB = JobSpec("impala", "Asynchronous RL (IMPALA/APPO with V-trace): streaming rollout workers on spot, a learner that never waits for the slowest.", ImpalaConfig, ImpalaWorkload,
+              prepare=resolve)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -18,12 +18,9 @@ from raylane import budget
 from raylane import config as cfg
 from raylane.budget import Estimate
 from raylane.actors.grad_worker import GradWorker, GradWorkerConfig, true_weights
-from raylane.driver import Context, DriverConfig
-from raylane.workload import BaseWorkload
-from raylane.registry import JobSpec
+from raylane.api import BaseWorkload, Context, DriverConfig, JobSpec, RoleSpec, TaskPool
 from raylane.launch import job_main
-from raylane.placement import RoleSpec, split_by_speed
-from raylane.group import TaskPool
+from raylane.placement import split_by_speed
 
 ROLE = "grad_worker"
 
@@ -98,8 +95,7 @@ class LinRegWorkload(BaseWorkload):
     def setup(self, ctx: Context) -> None:
         c = self.config
         worker_cfg = GradWorkerConfig(c.seed, c.features, c.noise)
-        size = max(1, min(c.workers, ctx.count(ROLE)))
-        self.pool = TaskPool(self.roles()[0], GradWorker, actor_args=lambda key: ((worker_cfg,), {}), size=size, call_timeout_s=c.step_timeout_s, on_timeout="retry")
+        self.pool = ctx.task_pool(ROLE, GradWorker, actor_args=lambda key: ((worker_cfg,), {}), call_timeout_s=c.step_timeout_s, on_timeout="retry")
         self.pool.wait_ready(timeout_s=120)
 
     def step(self, step: int) -> dict[str, Any]:
@@ -126,19 +122,6 @@ class LinRegWorkload(BaseWorkload):
 
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return bool(self.config.target_loss) and metrics["loss"] <= self.config.target_loss
-
-    def pools(self) -> dict[str, TaskPool]:
-        return {} if self.pool is None else {ROLE: self.pool}
-
-    def recover(self, ctx: Context, error: BaseException) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-        self.setup(ctx)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
 
 
 JOB = JobSpec("linreg", "Least squares on generated data over elastic gradient workers: the smallest end-to-end check of a cluster.", LinRegConfig, LinRegWorkload)

@@ -41,15 +41,12 @@ from raylane.actors import corpus, gpt
 from raylane.actors import pipeline_schedules as S
 from raylane.actors.pipeline_split import split_virtual, stage_loads
 from raylane.actors.pipeline_stage import LinkedStage, PipelineStage, StageConfig, connect_linked, measured_bubble, pieces_for, stage_broken, train_batch
-from raylane.driver import Context, DriverConfig
-from raylane.workload import BaseWorkload
+from raylane.api import BaseWorkload, CallTimeoutError, Context, DriverConfig, Gang, JobSpec, PoolError, RoleSpec
 from raylane.launch import job_main
-from raylane.placement import RoleSpec
 from raylane.preemption import NodeLeaving
-from raylane.group import CallTimeoutError, Gang, PoolError
 from raylane.actors.lm_factory import LayerFactory
 from raylane.jobs.pipeline_inputs import TokenData, Tokens, assemble, greedy, check_budget, load_factory, load_tokens
-from raylane.registry import JobSpec
+from raylane.jobs.pipeline_state import held_layers, parts_for, snapshot_stages
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +139,6 @@ class PipelineLMConfig:
     """Run name, stop rules, checkpoints."""
 
     def validate(self) -> None:
-        check_budget(self)  # before inputs(): it generates or reads every token on the driver
-        self.inputs()
         S.make(self.schedule, self.stages, self.micro_batches, self.chunks)  # the schedule's own checks, with its messages
 
     def inputs(self) -> tuple[Tokens, gpt.GPTConfig, LayerFactory | None, int]:
@@ -213,6 +208,13 @@ def make_layout(name: str, m: int, v: int, replicas: int, actors: list[Any], spe
 # ---------------------------------------------------------------- the workload
 
 
+def prepare(c: PipelineLMConfig) -> tuple[Tokens, gpt.GPTConfig, LayerFactory | None, int]:
+    """The job's prepare: the budget checked, then the tokens read (or generated) and the
+    model checked, once, before Ray starts."""
+    check_budget(c)  # before inputs(): it generates or reads every token on the driver
+    return c.inputs()
+
+
 class PipelineLMWorkload(BaseWorkload):
     name = "pipeline_lm"
     main_metric = "loss"
@@ -220,10 +222,10 @@ class PipelineLMWorkload(BaseWorkload):
     metrics = ("loss", "tokens_per_s", "step_s", "stages", "replicas", "peak_activations", "bubble")
     progress_metrics = ("loss", "tokens_per_s")
 
-    def __init__(self, config: PipelineLMConfig):
-        cfg.validate(config)
+    def __init__(self, config: PipelineLMConfig, inputs: tuple[Tokens, gpt.GPTConfig, LayerFactory | None, int] | None = None):
+        """``inputs``: the tokens, model shape, factory and layer count :func:`prepare` read; read here when None."""
         self.config = config
-        self.tokens, self.model, self.factory, self.n_layers = config.inputs()
+        self.tokens, self.model, self.factory, self.n_layers = inputs if inputs is not None else prepare(config)
         self.train_tokens, self.val_tokens = corpus.split(self.tokens.ids, config.val_fraction)
         if len(self.train_tokens) < self.model.seq_len + 2 or len(self.val_tokens) < self.model.seq_len + 1:
             what = f"text_chars={config.text_chars}" if config.data.path is None else f"data.path {config.data.path!r} ({len(self.tokens.ids)} tokens)"
@@ -238,7 +240,7 @@ class PipelineLMWorkload(BaseWorkload):
     def roles(self) -> list[RoleSpec]:
         c = self.config
         n = c.stages * c.replicas
-        return [RoleSpec(ROLE, {"CPU": c.stage_cpus}, min_count=c.replicas, max_count=n, stateful=True, accelerator="prefer")]
+        return [RoleSpec(ROLE, {"CPU": c.stage_cpus}, min_count=c.replicas, max_count=n, want=n, stateful=True, accelerator="prefer")]
 
     def setup(self, ctx: Context) -> None:
         c = self.config
@@ -249,16 +251,16 @@ class PipelineLMWorkload(BaseWorkload):
         stage = StageConfig(self.model, lr=c.lr, weight_decay=c.weight_decay, recompute=c.recompute, threads=max(1, int(c.stage_cpus)), factory=self.factory,
                             link_timeout_s=c.link_timeout_s or None)
         cls = LinkedStage if c.dispatch == "linked" else PipelineStage
-        self.gang = Gang(self.roles()[0], cls, actor_args=lambda key: ((stage,), {}), size=c.stages * c.replicas, start_timeout_s=c.start_timeout_s,
-                         elastic=True, broken=stage_broken, rank_name="stage")
+        self.gang = ctx.gang(ROLE, cls, actor_args=lambda key: ((stage,), {}), start_timeout_s=c.start_timeout_s, elastic=True, broken=stage_broken, rank_name="stage")
         self.gang.wait_ready(timeout_s=c.start_timeout_s)
         self._relayout(states=None)
 
     # ------------------------------------------------------------ layout and state
 
-    def _relayout(self, states: dict[str, Any] | None) -> None:
+    def _relayout(self, states: dict[str, Any] | None, parts: dict[str, Any] | None = None) -> None:
         """Cut the layers over the gang's live actors and deal them their ranks; load
-        ``states`` (layer index -> state) into them, or the fresh initial layers when None."""
+        ``states`` (layer index -> state) into them, or the checkpoint's ``parts`` (each
+        stage reads those that hold its layers), or the fresh initial layers when both are None."""
         assert self.gang is not None and self.ctx is not None
         c = self.config
         live = self.gang.actors()
@@ -268,9 +270,14 @@ class PipelineLMWorkload(BaseWorkload):
         layout = make_layout(c.schedule, c.micro_batches, c.chunks, c.replicas, live, speeds, self.costs, c.stages)
         last = layout.sched.virtual_stages - 1
         loads = []
+        held = None if parts is None else held_layers(parts, self.n_layers)
         for stages in layout.pipelines:
             for s, h in enumerate(stages):
-                needed = None if states is None else {str(i): states[str(i)] for ids in layout.pieces[s].values() for i in ids}
+                ids = [i for piece in layout.pieces[s].values() for i in piece]
+                if held is not None:
+                    loads.append(h.load.remote(layout.pieces[s], last, None, parts_for(parts, held, ids)))
+                    continue
+                needed = None if states is None else {str(i): states[str(i)] for i in ids}
                 loads.append(h.load.remote(layout.pieces[s], last, needed))
         ray.get(loads, timeout=c.start_timeout_s)
         self.gang.deal([h for stages in layout.pipelines for h in stages])
@@ -296,16 +303,26 @@ class PipelineLMWorkload(BaseWorkload):
         return out
 
     def state_dict(self) -> dict:
-        layers = self._kept if self.layout is None and self._kept is not None else self._gather_state()
-        return {"layers": layers, "last_loss": self.last_loss}
+        if self.layout is None and self._kept is not None:  # read for a hand-off that failed: it goes through the driver
+            return {"layers": self._kept, "last_loss": self.last_loss}
+        if self.layout is None:
+            raise PoolError("pipeline_lm: no layout to checkpoint (stages lost)")
+        # Every stage of the first pipeline writes its own layers (the driver never holds the model).
+        return {**snapshot_stages(self.layout.pipelines[0], self.layout.pieces, self.config.step_timeout_s), "last_loss": self.last_loss}
 
     def load_state_dict(self, state: dict) -> None:
-        layers = state["layers"]
-        missing = [i for i in range(self.n_layers) if str(i) not in layers]
-        if missing:
-            raise ValueError(f"the checkpoint has no state for layers {missing}: it is not of this model ({self.n_layers} layers)")
         self.last_loss = float(state.get("last_loss", float("nan")))
-        self._relayout(states=layers)
+        if "stages" in state:  # parts: each stage of the new cut reads those holding its layers
+            self._relayout(states=None, parts=state)
+            assert self.ctx is not None and self.layout is not None
+            if len(state["stages"]) != self.layout.sched.p:
+                self.ctx.log.event("pipeline_recut", saved_stages=len(state["stages"]), stages=self.layout.sched.p)
+        else:
+            layers = state["layers"]
+            missing = [i for i in range(self.n_layers) if str(i) not in layers]
+            if missing:
+                raise ValueError(f"the checkpoint has no state for layers {missing}: it is not of this model ({self.n_layers} layers)")
+            self._relayout(states=layers)
         self._kept = None
 
     # ------------------------------------------------------------ steps
@@ -398,9 +415,6 @@ class PipelineLMWorkload(BaseWorkload):
             _write(Path(ctx.run_dir) / "sample.txt", text.encode())
             log.info("pipeline_lm: held-out loss %.4f; sample: %r", val, text[:80])
 
-    def pools(self) -> dict[str, Gang]:
-        return {} if self.gang is None else {ROLE: self.gang}
-
     def recover(self, ctx: Context, error: BaseException) -> None:
         """After a lost stage: replace dead stages where capacity allows, and cut the layers
         over whatever is live; the driver then reloads every layer from the checkpoint."""
@@ -416,11 +430,6 @@ class PipelineLMWorkload(BaseWorkload):
             self.gang.wait_for(c.replicas, timeout_s=c.start_timeout_s)
         self.layout = None
 
-    def close(self) -> None:
-        if self.gang is not None:
-            self.gang.shutdown()
-            self.gang = None
-
 
 def _write(path: Path, payload: bytes) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -432,9 +441,10 @@ class PipelineWorkload(PipelineLMWorkload):
     name = "pipeline"
 
 
-JOB = JobSpec("pipeline_lm", "A GPT-style model split over pipeline-stage actors (gpipe, 1f1b, interleaved, bfs); re-split over live stages after a loss.", PipelineLMConfig, PipelineLMWorkload)
+JOB = JobSpec("pipeline_lm", "A GPT-style model split over pipeline-stage actors (gpipe, 1f1b, interleaved, bfs); re-split over live stages after a loss.", PipelineLMConfig, PipelineLMWorkload,
+              prepare=prepare)
 PIPELINE = JobSpec("pipeline", "pipeline_lm by its general name: your layers (model.factory) on your tokens (data.path), or the built-in GPT on generated text.",
-                   PipelineLMConfig, PipelineWorkload)
+                   PipelineLMConfig, PipelineWorkload, prepare=prepare)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -21,13 +21,9 @@ import ray
 from raylane import config as cfg
 from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
-from raylane.driver import Context, DriverConfig
-from raylane.workload import BaseWorkload
-from raylane.jobs.rl_env import RLEnvConfig, announce_emulation, check_budget, resolve
+from raylane.api import BaseWorkload, Context, DriverConfig, Gang, JobSpec, Part, PoolError, RoleSpec, TaskPool
+from raylane.jobs.rl_env import RLEnvConfig, RLInputs, announce_emulation, check_budget, resolve
 from raylane.launch import job_main
-from raylane.placement import RoleSpec
-from raylane.group import Gang, Membership, PoolError, TaskPool
-from raylane.registry import JobSpec
 from raylane.runlog import read_jsonl
 
 WORKERS, LEARNER = "rollout_worker", "learner"
@@ -100,7 +96,6 @@ class PPOConfig(RLEnvConfig):
             raise ValueError(f"minibatches ({self.minibatches}) must not exceed the samples per batch: workers ({self.workers}) "
                              f"x envs_per_worker ({self.envs_per_worker}) x rollout_steps ({self.rollout_steps}) = {batch}; "
                              f"lower minibatches to at most {batch}, or raise rollout_steps, envs_per_worker or workers")
-        resolve(self)
 
 
 class PPOWorkload(BaseWorkload):
@@ -110,9 +105,10 @@ class PPOWorkload(BaseWorkload):
     metrics = ("return_mean", "env_steps", "env_steps_per_s", "episodes", "workers", "lost_batches", "sample_s", "learn_s", "loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "lr")
     progress_metrics = ("env_steps", "env_steps_per_s", "return_mean")
 
-    def __init__(self, config: PPOConfig):
+    def __init__(self, config: PPOConfig, inputs: RLInputs | None = None):
+        """``inputs``: the env and network as :func:`raylane.jobs.rl_env.resolve` checked them (the job's prepare); read here when None."""
         self.config = config
-        self.recipe, self.net, self.spec = resolve(config)
+        self.recipe, self.net, self.spec = inputs if inputs is not None else resolve(config)
         # The pool may grow to max_workers; the driver gathers every worker's fragment and
         # hands them on (2 copies), the learner turns them into tensors and advantages (3).
         check_budget(self.name, config, self.spec, steps=config.rollout_steps, steps_key="rollout_steps",
@@ -156,15 +152,18 @@ class PPOWorkload(BaseWorkload):
     def setup(self, ctx: Context) -> None:
         c = self.config
         self._ctx = ctx
-        roles = {r.name: r for r in self.roles()}
         lc = self._learner_config()
         announce_emulation(ctx, c.emulate_step_s)
-        self.learner = Gang(roles[LEARNER], LearnerActor, actor_args=lambda key: ((lc,), {}), size=1, rank_name="learner", start_timeout_s=180)
-        size = max(1, min(c.workers, ctx.count(WORKERS)))
-        self.workers = TaskPool(roles[WORKERS], RolloutWorker, actor_args=self._worker_args, size=size, call_timeout_s=c.sample_timeout_s, on_timeout="retry")
+        self.learner = ctx.gang(LEARNER, LearnerActor, actor_args=lambda key: ((lc,), {}), rank_name="learner", start_timeout_s=180)
+        self.workers = ctx.task_pool(WORKERS, RolloutWorker, actor_args=self._worker_args, call_timeout_s=c.sample_timeout_s, on_timeout="retry")
         self.learner.form(timeout_s=180)
         self.workers.wait_ready(timeout_s=180)
         self._refresh_weights()
+
+    def _learner_part(self) -> Part:
+        """The learner's snapshot for a checkpoint: it writes its own part (the driver never holds the weights)."""
+        assert self.learner is not None
+        return Part(self.learner.handles()[0], **self._learner_call("snapshot_part"))
 
     def _learner_call(self, method: str, *args: Any) -> Any:
         """The one learner's answer. Its state is the job's state, so a learner lost at any
@@ -263,14 +262,14 @@ class PPOWorkload(BaseWorkload):
 
     def state_dict(self) -> dict:
         return {
-            "learner": self._learner_call("state"),
+            "learner": self._learner_part(),
             "env_steps": self.env_steps,
             "episodes": self.episodes,
             "returns": list(self.returns),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._learner_call("load_state", state["learner"])
+        self._learner_call("load_part", state["learner"])  # the learner reads its own part (or takes a replica)
         self.env_steps = int(state["env_steps"])
         self.episodes = int(state["episodes"])
         self.returns = deque((float(x) for x in state["returns"]), maxlen=RETURN_WINDOW)
@@ -279,25 +278,9 @@ class PPOWorkload(BaseWorkload):
         self._inflight = None
         self._refresh_weights()
 
-    def pools(self) -> dict[str, Membership]:
-        return {role: p for role, p in ((LEARNER, self.learner), (WORKERS, self.workers)) if p is not None}
-
-    def recover(self, ctx: Context, error: BaseException) -> None:
-        # The pools already replace dead actors; a lost learner comes back empty and the
-        # driver reloads the last checkpoint into it right after this.
-        assert self.learner is not None and self.workers is not None
-        self.learner.form(timeout_s=180)
-        self.workers.wait_for(1, timeout_s=180)  # not the full target: capacity may be gone
-
     def finish(self, ctx: Context) -> None:
         if self.config.plot:
             plot_returns(ctx.run_dir)
-
-    def close(self) -> None:
-        for pool in (self.workers, self.learner):
-            if pool is not None:
-                pool.shutdown()
-        self.workers = self.learner = None
 
 
 def _strip(batch: dict) -> dict:
@@ -327,7 +310,7 @@ def plot_returns(run_dir, title: str = "PPO") -> str:
     return str(path)
 
 
-JOB = JobSpec("ppo", "PPO on gymnasium envs: rollout workers (spot-friendly) feeding one learner; solves CartPole-v1 by default.", PPOConfig, PPOWorkload)
+JOB = JobSpec("ppo", "PPO on gymnasium envs: rollout workers (spot-friendly) feeding one learner; solves CartPole-v1 by default.", PPOConfig, PPOWorkload, prepare=resolve)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -31,18 +31,16 @@ import numpy as np
 import ray
 import torch
 
+from raylane import checkpoint_parts
 from raylane import config as cfg
 from raylane.actors import ctr, ctr_files
 from raylane.actors.param_shard import MAX_WORKERS, MODES, ParamShard, ShardConfig
 from raylane.actors.ps_layout import dense_slices
 from raylane.actors.ps_optim import OPTIMIZERS
 from raylane.actors.ps_worker import PSWorker, WorkerConfig, assemble, route
-from raylane.driver import Context, DriverConfig
-from raylane.workload import BaseWorkload
+from raylane.api import BaseWorkload, CallTimeoutError, Context, DriverConfig, Gang, GroupLost, JobSpec, LOST, PoolError, RoleSpec
 from raylane.launch import job_main
-from raylane.placement import RoleSpec, split_by_speed
-from raylane.group import LOST, CallTimeoutError, Gang, GroupLost, PoolError
-from raylane.registry import JobSpec
+from raylane.placement import split_by_speed
 from raylane.runlog import say
 
 log = logging.getLogger(__name__)
@@ -134,7 +132,6 @@ class PSCTRConfig:
             if generated_only:
                 raise ValueError(f"{', '.join(generated_only)} describe generated data; with data.path the table decides "
                                  "(its rows less eval_rows train, one field per categorical column, one feature per numeric one): drop them")
-            self.table()  # the schema and the labels, before any actor starts
 
     def table(self) -> ctr_files.CTRTable | None:
         """The user's click table, checked (schema and labels), or None for generated data."""
@@ -170,6 +167,18 @@ class ShardLost(PoolError):
         self.role, self.actor = SHARDS, ",".join(map(str, shards))
 
 
+@dataclass(frozen=True)
+class CTRData:
+    """What the job's prepare read: the user's click table (schema and labels checked), or None for generated rows."""
+
+    table: ctr_files.CTRTable | None
+
+
+def prepare(c: PSCTRConfig) -> CTRData:
+    """The job's prepare: the click table described and checked once, before any actor starts."""
+    return CTRData(c.table())
+
+
 class PSCTRWorkload(BaseWorkload):
     name = "ps_ctr"
     main_metric = "auc"
@@ -177,10 +186,10 @@ class PSCTRWorkload(BaseWorkload):
     metrics = ("auc", "loss", "clock", "updates_per_s", "pull_wait_s", "step_s")
     progress_metrics = ("auc", "loss")
 
-    def __init__(self, config: PSCTRConfig):
-        cfg.validate(config)
+    def __init__(self, config: PSCTRConfig, data: CTRData | None = None):
+        """``data``: the click table as :func:`prepare` checked it; read here when None."""
         self.config = config
-        self.table = config.table()
+        self.table = (data if data is not None else prepare(config)).table
         self.shape = config.shape(self.table)
         self.shape.check()
         # Budgets, before the held-out rows are made. Per shard: the embedding rows touched
@@ -243,10 +252,8 @@ class PSCTRWorkload(BaseWorkload):
             say(f"ps_ctr: {t.spec.rows} rows, {len(t.categorical)} categorical fields, {len(t.numeric)} numeric features{missing}")
             ctx.log.event("ctr_data", path=t.spec.name, rows=t.spec.rows, categorical=list(t.categorical), numeric=list(t.numeric),
                           missing_as_0=dict(t.missing))
-        roles = {r.name: r for r in self.roles()}
-        self.shard_gang = Gang(roles[SHARDS], ParamShard, size=c.shards, start_timeout_s=c.step_timeout_s, on_join=self._join_shard, rank_name="shard")
-        self.worker_gang = Gang(roles[WORKERS], PSWorker, size=c.workers, start_timeout_s=c.step_timeout_s, on_join=self._join_worker,
-                                broken=pull_failed, rank_name="worker")
+        self.shard_gang = ctx.gang(SHARDS, ParamShard, start_timeout_s=c.step_timeout_s, on_join=self._join_shard, rank_name="shard")
+        self.worker_gang = ctx.gang(WORKERS, PSWorker, start_timeout_s=c.step_timeout_s, on_join=self._join_worker, broken=pull_failed, rank_name="worker")
         self._ensure_actors()
         init = ctr.init_dense(self.shape, c.seed)
         flat = {n: v.reshape(-1) for n, v in init.items()}
@@ -353,8 +360,9 @@ class PSCTRWorkload(BaseWorkload):
 
     def state_dict(self) -> dict:
         c = self.config
-        states = self._on_shards(lambda: ray.get([self.shards[i].export_state.remote() for i in range(c.shards)], timeout=c.step_timeout_s), "a checkpoint")
-        return {"shards": {str(i): s for i, s in enumerate(states)}, "auc": self.auc}
+        # Each shard snapshots its state and writes it itself (the driver never holds it).
+        parts = self._on_shards(lambda: checkpoint_parts.snapshot({str(i): self.shards[i] for i in range(c.shards)}, timeout_s=c.step_timeout_s), "a checkpoint")
+        return {"shards": parts, "auc": self.auc}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the shards from ``state``: none after a lost worker (they keep what they
@@ -378,10 +386,21 @@ class PSCTRWorkload(BaseWorkload):
         and the replay would compute that clock's gradient on the mixed model. So when the
         shards' applied clocks differ after a lost worker, they all go back too."""
         c = self.config
+        saved = state.get("shards", {})
+        if saved and len(saved) != c.shards:  # a checkpoint of another shard count: re-cut onto this one
+            parts = [saved[str(j)] for j in range(len(saved))]
+            ray.get([self.shards[i].load_resharded.remote(parts, self.sizes) for i in range(c.shards)], timeout=c.step_timeout_s)
+            self.fresh.clear()
+            self.auc = float(state.get("auc", 0.5))
+            if self.ctx is not None:
+                self.ctx.log.event("ps_reshard", role=SHARDS, saved_shards=len(saved), shards=c.shards)
+            say(f"ps_ctr: the checkpoint holds {len(saved)} shards; re-cut onto {c.shards} (dense ranges and embedding rows moved to their new shards)")
+            return
         lost = sorted(self.fresh)
         split = {} if lost or c.mode != "sync" or not state.get("shards") else self._applied_clocks()
         todo = list(range(c.shards)) if lost or len(set(split.values())) > 1 else []
-        ray.get([self.shards[i].import_state.remote(state["shards"][str(i)]) for i in todo], timeout=c.step_timeout_s)
+        # Each shard reads its own part (checked against the manifest); older checkpoints hold the state itself.
+        ray.get([self.shards[i].load_part.remote(state["shards"][str(i)]) for i in todo], timeout=c.step_timeout_s)
         self.fresh.clear()
         self.auc = float(state.get("auc", 0.5))
         if self.ctx is not None and todo:
@@ -394,9 +413,6 @@ class PSCTRWorkload(BaseWorkload):
 
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.config.target_auc > 0 and metrics["auc"] >= self.config.target_auc
-
-    def pools(self) -> dict[str, Gang]:
-        return {role: g for role, g in ((SHARDS, self.shard_gang), (WORKERS, self.worker_gang)) if g is not None}
 
     def on_event(self, event: Any) -> bool:
         """A node is leaving or gone: the driver has evacuated (notice) or evicted (loss) its
@@ -418,14 +434,9 @@ class PSCTRWorkload(BaseWorkload):
         self.ctx = ctx
         self._ensure_actors()
 
-    def close(self) -> None:
-        for gang in (self.worker_gang, self.shard_gang):
-            if gang is not None:
-                gang.shutdown()
-        self.worker_gang = self.shard_gang = None
 
-
-JOB = JobSpec("ps_ctr", "A click-through-rate model on a sharded parameter server: sync, async or bounded-staleness workers, sparse embedding rows, shard-level recovery.", PSCTRConfig, PSCTRWorkload)
+JOB = JobSpec("ps_ctr", "A click-through-rate model on a sharded parameter server: sync, async or bounded-staleness workers, sparse embedding rows, shard-level recovery.", PSCTRConfig, PSCTRWorkload,
+              prepare=prepare)
 
 if __name__ == "__main__":
     job_main(JOB)

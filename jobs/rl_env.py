@@ -106,7 +106,11 @@ def envpool_spec(recipe: EnvRecipe) -> SpaceSpec:
         env.close()
 
 
-def resolve(c: RLEnvConfig) -> tuple[EnvRecipe, NetConfig, SpaceSpec]:
+RLInputs = tuple[EnvRecipe, NetConfig, SpaceSpec]
+"""What :func:`resolve` checked (the RL jobs' prepare), handed to the workload."""
+
+
+def resolve(c: RLEnvConfig) -> RLInputs:
     """The env recipe, the network and the spaces the config means, each tried here (an
     env made and wrapped, the user's network run on a batch) before any actor starts."""
     make_id = c.make_id

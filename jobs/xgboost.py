@@ -41,14 +41,12 @@ from ray import ObjectRefGenerator
 from raylane import config as cfg
 from raylane.actors import tabular
 from raylane.actors.xgboost_trainer import Shard, XGBoostTrainerConfig, XGBoostTrainer
-from raylane.driver import Context, DriverConfig
-from raylane.workload import BaseWorkload
+from raylane.api import BaseWorkload, Context, DriverConfig, Gang, JobSpec, RoleSpec
+from raylane.prepare import derive
 from raylane.jobs.xgboost_collective import Tracker, first_line, is_collective_error, tracker_host
 from raylane.jobs.xgboost_params import OBJECTIVES, ObjectiveChoice, objective_params, probe, static_params  # noqa: F401 - OBJECTIVES is re-exported
 from raylane.launch import job_main
-from raylane.placement import RoleSpec, split_by_speed
-from raylane.group import Gang
-from raylane.registry import JobSpec
+from raylane.placement import split_by_speed
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +112,20 @@ class XGBoostJobConfig:
 
     def validate(self) -> None:
         # A step is a chunk of checkpoint_every rounds, so the step budget and the checkpoint
-        # cadence follow from the rounds; a different value set for them is refused, not overwritten.
-        steps = math.ceil(self.num_boost_round / self.checkpoint_every)
+        # cadence follow from the rounds (derived()); a different value set for them is refused, not overwritten.
         plain = DriverConfig()  # a DriverConfig built in code, left at its own defaults, counts as unset too
-        for key, value, derived, defaults, how in (
-                ("max_steps", self.driver.max_steps, steps, (10, plain.max_steps), "set num_boost_round (and checkpoint_every) instead"),
-                ("checkpoint_every_steps", self.driver.checkpoint_every_steps, 1, (1, plain.checkpoint_every_steps),
-                 "set checkpoint_every (rounds) instead")):
+        for key, (derived, why) in self.derived().items():
+            value = getattr(self.driver, key.split(".")[1])
+            defaults, how = ((10, plain.max_steps), "set num_boost_round (and checkpoint_every) instead") if key == "driver.max_steps" else \
+                ((1, plain.checkpoint_every_steps), "set checkpoint_every (rounds) instead")
             if value != derived and value not in defaults:
-                raise ValueError(f"driver.{key}={value} does not apply to xgboost: it is {derived} here "
-                                 f"(one step is a chunk of checkpoint_every={self.checkpoint_every} rounds); {how}")
-        self.driver.max_steps, self.driver.checkpoint_every_steps = steps, 1
-        prepare(self)
+                raise ValueError(f"{key}={value} does not apply to xgboost: it is {derived} here ({why}); {how}")
+
+    def derived(self) -> dict[str, tuple[Any, str]]:
+        """The driver settings that follow from the rounds (applied and said by :mod:`raylane.prepare`)."""
+        steps = math.ceil(self.num_boost_round / self.checkpoint_every)
+        chunk = f"one step is a chunk of checkpoint_every={self.checkpoint_every} rounds"
+        return {"driver.max_steps": (steps, f"num_boost_round={self.num_boost_round}: {chunk}"), "driver.checkpoint_every_steps": (1, chunk)}
 
 
 @dataclass(frozen=True)
@@ -141,26 +141,9 @@ class Prepared:
     objective: ObjectiveChoice
 
 
-# The last few configs' peeks at their data (validate and build each call prepare), keyed
-# by the config's values and the source file's size and time, so a changed file is read again.
-_PREPARED: dict[str, Prepared] = {}
-
-
-def _source_stamp(source: str) -> list[int]:
-    try:
-        st = os.stat(source)
-    except (OSError, ValueError):  # not a local path (a bundled set, a URI): its name is the key
-        return []
-    return [st.st_size, st.st_mtime_ns]
-
-
 def prepare(c: XGBoostJobConfig) -> Prepared:
-    """Check the config against the data (schema, labels, row count) and settle the params.
-    Remembered for the config's current values, so validate and build peek once."""
-    values = cfg.to_dict({k: v for k, v in vars(c).items() if not k.startswith("_") and k != "driver"})
-    key = json.dumps([values, _source_stamp(c.data.source)], sort_keys=True, default=str)
-    if key in _PREPARED:
-        return _PREPARED[key]
+    """The job's prepare: check the config against the data (schema, labels, row count) and
+    settle the params, once, before Ray starts."""
     params = static_params(c.params)  # names and objective, before the data is read
     d = c.data
     table, labels = tabular.describe(d.source, label=d.label, features=d.features, fmt=d.format, rows=d.rows, num_features=d.num_features, seed=d.seed,
@@ -177,11 +160,7 @@ def prepare(c: XGBoostJobConfig) -> Prepared:
             raise cfg.ConfigError(f"data.eval_fraction: {d.eval_fraction:g} holds out {what} of the {table.rows} in {d.source!r}; choose a fraction between, or 0 for no evaluation set")
     params, objective = objective_params(params, labels, table.label)
     evals = tuple(name for name, on in (("train", c.eval_train), ("eval", d.eval_fraction > 0)) if on)
-    prepared = Prepared(table, params, evals, probe(params, labels), params["tree_method"] == "hist", objective)
-    _PREPARED[key] = prepared
-    while len(_PREPARED) > 8:
-        _PREPARED.pop(next(iter(_PREPARED)))
-    return prepared
+    return Prepared(table, params, evals, probe(params, labels), params["tree_method"] == "hist", objective)
 
 
 # ---------------------------------------------------------------- the group of trainers
@@ -216,10 +195,14 @@ def speed_shards(rows: int, speeds: list[float]) -> list[tuple[int, int]]:
 class XGBoostWorkload(BaseWorkload):
     name = "xgboost"
 
-    def __init__(self, config: XGBoostJobConfig):
-        cfg.validate(config)  # derived fields and the data peek, also for configs built in code
+    def __init__(self, config: XGBoostJobConfig, prep: Prepared | None = None):
+        """``prep``: what :func:`prepare` settled from the data; peeked here when None (a
+        workload built in code, not by :func:`raylane.prepare.build`: its config gets the
+        driver settings it derives here too, so its steps and checkpoints follow its rounds)."""
         self.config = config
-        self.prep = prepare(config)
+        if prep is None:
+            derive(config)
+        self.prep = prep if prep is not None else prepare(config)
         # Budget, before any trainer makes its shard: per trainer, rows / trainers (at speed
         # 1) x (features x 8 bytes: the float32 matrix and xgboost's own built from it; + 16 a
         # row: label, prediction, gradient pair).
@@ -258,7 +241,7 @@ class XGBoostWorkload(BaseWorkload):
             print("categorical features: " + ", ".join(f"{col} ({n} categories)" for col, n in counts.items())
                   + "; a value not seen while reading the source counts as missing", flush=True)
         trainer = XGBoostTrainerConfig(self.prep.table, d.eval_fraction, d.seed, c.threads, self.prep.quantile, int(self.prep.params.get("max_bin", 256)))
-        self.gang = Gang(self.roles()[0], XGBoostTrainer, actor_args=lambda key: ((trainer,), {}), size=c.trainers, start_timeout_s=c.load_timeout_s,
+        self.gang = ctx.gang(ROLE, XGBoostTrainer, actor_args=lambda key: ((trainer,), {}), start_timeout_s=c.load_timeout_s,
                          on_join=self._join, broken=lambda exc: is_collective_error(str(exc)), brief=lambda exc: first_line(str(exc)), rank_order=lambda node: -self._speed(node), rank_name="shard", actor_word="trainer")
         self._ensure_group()
 
@@ -389,9 +372,6 @@ class XGBoostWorkload(BaseWorkload):
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return self.round >= self.config.num_boost_round
 
-    def pools(self) -> dict[str, Gang]:
-        return {} if self.gang is None else {ROLE: self.gang}
-
     def recover(self, ctx: Context, error: BaseException) -> None:
         self.ctx = ctx
         self._end_stream("failed")
@@ -399,14 +379,12 @@ class XGBoostWorkload(BaseWorkload):
 
     def close(self) -> None:
         stream, self.stream = self.stream, None
-        if self.gang is not None:
-            self.gang.shutdown()
-            self.gang = None
-        if stream is not None:  # after the trainers are gone: a tracker with live workers frees slowly
+        if stream is not None:  # the driver shut the trainers down first: a tracker with live workers frees slowly
             stream.tracker.close(finished=False)
 
 
-JOB = JobSpec("xgboost", "Distributed XGBoost over trainer actors, one data shard each, resuming from the last chunk when a trainer is lost.", XGBoostJobConfig, XGBoostWorkload)
+JOB = JobSpec("xgboost", "Distributed XGBoost over trainer actors, one data shard each, resuming from the last chunk when a trainer is lost.", XGBoostJobConfig, XGBoostWorkload,
+              prepare=prepare)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -2,8 +2,9 @@
 call that runs any job, yours or a built-in one, and returns its summary.
 
 A workload subclasses :class:`BaseWorkload`: it declares its roles (:class:`RoleSpec`:
-resources, count, stateful or not), builds its actor groups in ``setup`` (a
-:class:`TaskPool` of interchangeable actors, or a :class:`Gang` of ranked ones), does one
+resources, count, stateful or not), asks its context for its actor groups in ``setup``
+(``ctx.task_pool``: interchangeable actors; ``ctx.gang``: ranked ones; the driver sizes,
+places, re-forms and shuts them down), does one
 step per ``step`` call, and gives its state as tensors and plain values in ``state_dict``.
 The driver does the rest: placement by node speed and market, checkpoints, recovery from
 lost actors and nodes, preemption notices, elastic pools. A :class:`JobSpec` names the
@@ -12,10 +13,11 @@ command line runs it too::
 
     raylane run path/to/my_job.py:JOB --set workers=4
 
-    from raylane.api import run
+    from raylane.api import run, run_workload
     summary = run("path/to/my_job.py:JOB", overrides=["workers=4"])
+    summary = run_workload(MyWorkload(config), config.driver)  # an instance you built
 
-``examples/dp_classifier.py`` is a whole workload in under 120 lines. Everything named in
+``examples/dp_classifier.py`` is a whole workload in under 100 lines. Everything named in
 ``__all__`` is the stable surface; the rest of the package may change.
 """
 
@@ -24,17 +26,20 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from raylane import config as cfg
+from raylane import prepare
 from raylane.checkpoint import CheckpointStore
+from raylane.checkpoint_parts import CHECKPOINT_GROUP, CHECKPOINT_GROUPS, CheckpointParts, Part, snapshot
 from raylane.errors import LOST, CallTimeoutError, GroupLost, PoolError, WorkError, is_recoverable
 from raylane.group import Gang, Membership, TaskPool
 from raylane.placement import RoleSpec
 from raylane.registry import JobSpec, UnknownJobError
+from raylane.driver import Driver, State, Stepped
 from raylane.workload import BaseWorkload, Context, DriverConfig, DriverError, Workload
 
 __all__ = [
-    "LOST", "BaseWorkload", "CallTimeoutError", "CheckpointStore", "Context", "DriverConfig", "DriverError", "Gang",
-    "GroupLost", "JobSpec", "Membership", "PoolError", "RoleSpec", "TaskPool", "UnknownJobError", "WorkError", "Workload",
-    "is_recoverable", "job", "job_config", "run", "run_config",
+    "CHECKPOINT_GROUP", "CHECKPOINT_GROUPS", "LOST", "BaseWorkload", "CallTimeoutError", "CheckpointParts", "CheckpointStore", "Context", "Driver", "DriverConfig", "DriverError", "Gang", "Part",
+    "GroupLost", "JobSpec", "Membership", "PoolError", "RoleSpec", "State", "Stepped", "TaskPool", "UnknownJobError", "WorkError",
+    "Workload", "is_recoverable", "job", "job_config", "run", "run_config", "run_workload", "snapshot", "workload",
 ]
 
 
@@ -51,9 +56,14 @@ def job_config(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[s
     config class, or a dict of its keys) <- the YAML ``config_file`` <- ``overrides``
     (``"key=value"`` as ``--set`` takes them). A bad value raises ``ConfigError`` naming
     the key and what is valid."""
-    s = job(spec)
     data = cfg.to_dict(config) if _dataclass_instance(config) else dict(config or {})
-    return cfg.load_config(s.config_cls, data=data, yaml_path=config_file, overrides=list(overrides))
+    return prepare.job_config(job(spec), data, config_file=config_file, overrides=overrides)
+
+
+def workload(spec: str | JobSpec, config: Any) -> Workload:
+    """The job's workload for ``config`` (from :func:`job_config`), its inputs read once;
+    run it with :func:`run_workload` or step it with :class:`Driver`."""
+    return prepare.build(job(spec), config)
 
 
 def run(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[str] = (), config_file: str | None = None,
@@ -76,17 +86,28 @@ def run(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[str] = (
                    address=address, new=new, resume_with_changes=resume_with_changes)
 
 
+def run_workload(workload: Workload, config: DriverConfig, *, address: str | None = None) -> dict[str, Any]:
+    """Run a workload instance to its end and return its summary: :class:`Driver` with the
+    watchers a user's run has (stop signals, progress bar, plot). Connects to Ray first when
+    this process is not connected yet (``address`` as for :func:`run`). To step a run
+    yourself (a notebook, a search), use ``Driver(workload, config)``: ``start()``,
+    ``step()`` until its state is not RUNNING, ``finish()``."""
+    import ray
+
+    if address is not None or not ray.is_initialized():
+        from raylane import session
+
+        session.connect(address)
+    return Driver(workload, config).run()
+
+
 def run_config(spec: str | JobSpec, config: Any = None, *, overrides: Sequence[str] = (), config_file: str | None = None,
                run_name: str | None = None, progress: bool | None = None) -> Any:
     """The config :func:`run` runs with: :func:`job_config`, then ``run_name`` and ``progress``
-    where given (None keeps what the config says), checked again."""
-    conf = job_config(spec, config, overrides=overrides, config_file=config_file)
-    if run_name is not None:
-        conf.driver.run_name = run_name
-    if progress is not None:
-        conf.driver.progress = progress
-    cfg.validate(conf)
-    return conf
+    where given (None keeps what the config says)."""
+    data = cfg.to_dict(config) if _dataclass_instance(config) else dict(config or {})
+    return prepare.job_config(job(spec), data, config_file=config_file, overrides=overrides, run_name=run_name, progress=progress,
+                              run_name_key="run_name")
 
 
 def _dataclass_instance(value: Any) -> bool:

@@ -1,129 +1,85 @@
 """Checkpoint store on ``pyarrow.fs`` (local folders, file://, s3://, gs://, ...).
 
-Layout: ``<uri>/<step:010d>/{MANIFEST.json, state.json, tensors.pt, blob-<n>.bin}``. Guarantees:
+Layout: ``<uri>/<step:010d>/{MANIFEST.json, state.json, tensors.pt, blob-<n>.bin}``, and a
+``part-<name>/`` folder per part a stateful actor wrote itself (:mod:`raylane.checkpoint_parts`:
+the driver never holds that state). Guarantees:
 
 * Whole-or-ignored. A checkpoint exists only once its ``MANIFEST.json`` is in place; it is written
   last (locally to a temporary name renamed into place, on object stores as one PUT) and records
   the size and sha256 of every file, all checked before anything is deserialised. A save killed
   midway, a truncated upload or a flipped bit makes the step invisible to ``latest()`` (with a
   warning) and an error in ``load(step)``; a partial state is never returned.
+  The manifest lists every part's files too, and is written only once every part is.
 * No code execution on load: state is JSON, raw byte blobs and one tensor file read with
-  ``torch.load(weights_only=True)``; pickle is never used.
+  ``torch.load(weights_only=True)``; pickle is never used (:mod:`raylane.checkpoint_format`).
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
 import re
 import time
 import warnings
-from dataclasses import dataclass
 
-import numpy as np
 import pyarrow.fs as pafs
-import torch
+
+from raylane.checkpoint_format import (FORMAT_VERSION, MANIFEST, READABLE_VERSIONS, STATE, CheckpointError, CheckpointInfo,
+                                       StoredPart, decode, encode, file_entries)
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-MANIFEST, STATE, TENSORS = "MANIFEST.json", "state.json", "tensors.pt"
-_TENSOR, _NDARRAY, _BYTES = "__tensor__", "__ndarray__", "__bytes__"
-_ITEMS, _TUPLE = "__items__", "__tuple__"  # a dict with int keys, a tuple (an optimizer's state_dict has both)
-_RESERVED = (_TENSOR, _NDARRAY, _BYTES, _ITEMS, _TUPLE)
-_ALLOWED = ("torch.Tensor (dense), numpy.ndarray (numeric dtype), bytes, None, bool, int, "
-            "float, str, and lists, tuples and dicts (str or int keys) of those")
+_PART_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
-class CheckpointError(Exception):
-    """A checkpoint is missing, corrupted, or the state cannot be stored as asked."""
+def part_dir(root: str, step: int, name: str) -> str:
+    """Where part ``name`` of checkpoint ``step`` lies under the store's ``root``."""
+    if not _PART_NAME.fullmatch(name):
+        raise ValueError(f"part name {name!r}: use 1-128 letters, digits, '_', '.' or '-'")
+    return f"{root.rstrip('/')}/{step:010d}/part-{name}"
+
+def _filesystem(uri: str) -> pafs.FileSystem:
+    return pafs.FileSystem.from_uri(uri)[0] if "://" in uri else pafs.LocalFileSystem()
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    step: int
-    path: str
-    created: float
-    files: dict[str, str]
+def write_part(uri: str, path: str, state: dict) -> dict[str, dict]:
+    """Write ``state`` as a part's files into ``path`` on the filesystem of ``uri``;
+    {file: {"size", "sha256"}} for the manifest."""
+    files = encode(state)
+    fs = _filesystem(uri)
+    fs.create_dir(path, recursive=True)
+    for name, payload in files.items():
+        with fs.open_output_stream(f"{path}/{name}", compression=None) as f:
+            f.write(payload)
+    return file_entries(files)
 
 
-def _where(path: tuple) -> str:
-    return "state" + "".join(f"[{p!r}]" for p in path)
+def read_part(part: StoredPart) -> dict:
+    """The state of a stored part, every file checked against the manifest first."""
+    fs, data = _filesystem(part.uri), {}
+    where = f"checkpoint step {part.step}, part {part.name!r} in {part.path}"
+    for name, entry in part.files.items():
+        try:
+            with fs.open_input_stream(f"{part.path}/{name}", compression=None) as f:
+                data[name] = f.read()
+        except OSError as exc:
+            raise CheckpointError(f"{where}: {name} cannot be read ({exc}); load an earlier step") from None
+        if len(data[name]) != entry["size"] or hashlib.sha256(data[name]).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{where}: {name} does not match the manifest (size or sha256: torn or altered); "
+                                  "it was not loaded - load an earlier step")
+    return decode(data, where)
 
 
-def _encode(obj, path: tuple, tensors: dict, blobs: dict):
-    """Replace tensors, arrays and bytes by placeholders; reject anything JSON would mangle."""
+
+def _read_parts(obj):
+    """``obj`` with every :class:`StoredPart` replaced by the state it holds."""
+    if isinstance(obj, StoredPart):
+        return read_part(obj)
     if isinstance(obj, dict):
-        for k in obj:
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"{_where(path)} has key {k!r} of type {type(k).__name__}; "
-                                "checkpoint dict keys must be str or int")
-            if k in _RESERVED:
-                raise CheckpointError(f"{_where(path + (k,))}: key {k!r} is reserved by the "
-                                      "checkpoint format; rename it")
-        if all(isinstance(k, str) for k in obj):
-            return {k: _encode(v, path + (k,), tensors, blobs) for k, v in obj.items()}
-        return {_ITEMS: [[k, _encode(v, path + (k,), tensors, blobs)] for k, v in obj.items()]}
-    if isinstance(obj, list):
-        return [_encode(v, path + (i,), tensors, blobs) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        return {_TUPLE: [_encode(v, path + (i,), tensors, blobs) for i, v in enumerate(obj)]}
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        kind, t = (_NDARRAY, None) if isinstance(obj, np.ndarray) else (_TENSOR, obj)
-        if kind == _NDARRAY and obj.dtype.kind in "biufc":
-            try:
-                # native byte order; C order (not ascontiguousarray, which makes 0-d arrays 1-d)
-                # (a read-only array, e.g. one fetched from Ray's object store, is copied:
-                # torch refuses to wrap memory it may not write)
-                t = torch.from_numpy(obj.astype(obj.dtype.newbyteorder("="), order="C", copy=not obj.flags.writeable))
-            except TypeError:  # a numeric dtype torch lacks, e.g. longdouble
-                pass
-        if t is None or t.layout != torch.strided:
-            raise TypeError(f"{_where(path)}: unsupported {type(obj).__name__} (dtype {obj.dtype}, "
-                            f"layout {getattr(obj, 'layout', 'strided')}); allowed leaves: {_ALLOWED}")
-        t = t.detach().cpu().resolve_conj().resolve_neg()
-        # torch.save writes whole storages: a small view of a big tensor would store all of it.
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()
-        tensors[key := json.dumps(path)] = t
-        return {kind: key}
-    if isinstance(obj, bytes):
-        blobs[name := f"blob-{len(blobs)}.bin"] = obj
-        return {_BYTES: name}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"{_where(path)}: unsupported value of type {type(obj).__qualname__}; "
-                    f"allowed leaves: {_ALLOWED}")
-
-
-def _decode(obj, tensors: dict, blobs: dict):
-    if isinstance(obj, list):
-        return [_decode(v, tensors, blobs) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    # save() rejects the reserved names as user keys, so any dict holding one is a placeholder.
-    for kind, table in ((_TENSOR, tensors), (_NDARRAY, tensors), (_BYTES, blobs)):
-        if kind in obj:
-            return table[obj[kind]].numpy() if kind == _NDARRAY else table[obj[kind]]
-    if _ITEMS in obj:
-        return {k: _decode(v, tensors, blobs) for k, v in obj[_ITEMS]}
-    if _TUPLE in obj:
-        return tuple(_decode(v, tensors, blobs) for v in obj[_TUPLE])
-    return {k: _decode(v, tensors, blobs) for k, v in obj.items()}
-
-
-def _refusal(exc: Exception) -> str:
-    """Why torch's weights-only loader refused a file, without its advice to retry with
-    ``weights_only=False`` (which would run the code it refused)."""
-    text = str(exc)
-    if m := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL)\s+([\w.]+)", text):
-        return f"it imports {m.group(1)}, which a tensor file never needs"
-    if m := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):
-        return m.group(1).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "weights_only" not in ln]
-    return lines[0] if lines else type(exc).__name__
+        return {k: _read_parts(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_read_parts(v) for v in obj)
+    return obj
 
 
 class CheckpointWriteError(OSError):
@@ -148,9 +104,24 @@ class CheckpointStore:
         self._hashed: dict[int, float] = {}
         # step -> manifest "created" of checkpoints known to deserialise (written here or loaded)
         self._loadable: dict[int, float] = {}
+        self._parts: dict[int, dict[str, StoredPart]] = {}  # step -> its parts, as its manifest lists them
+
+    @property
+    def local(self) -> bool:
+        """A folder on this host's filesystem (parts are then written by actors on this host only)."""
+        return self._local
 
     def _dir(self, step: int) -> str:
         return f"{self.root}/{step:010d}"
+
+    def clear(self, step: int) -> None:
+        """Remove any folder of ``step`` before its parts are written into it again (a run
+        that went back and reaches the step anew): no old manifest may list new files."""
+        self._require(step, exists=False)
+        self._hashed.pop(step, None)
+        self._loadable.pop(step, None)
+        if self.fs.get_file_info(self._dir(step)).type != pafs.FileType.NotFound:
+            self.fs.delete_dir(self._dir(step))
 
     def _scan(self) -> dict[int, bool]:
         """Step folders -> whether they hold a manifest."""
@@ -174,8 +145,11 @@ class CheckpointStore:
         try:
             with self.fs.open_input_stream(f"{d}/{MANIFEST}", compression=None) as f:
                 m = json.loads(f.read())
-            files = m["files"]
-            ok = (m["version"] == FORMAT_VERSION and m["step"] == step
+            files, parts = m["files"], m.get("parts", {})
+            ok = (m["version"] in READABLE_VERSIONS and m["step"] == step and isinstance(parts, dict)
+                  and all(_PART_NAME.fullmatch(p) and isinstance(fs, dict) for p, fs in parts.items())
+                  and all("/" not in n and "\\" not in n and type(e["size"]) is int and isinstance(e["sha256"], str)
+                          for fs in parts.values() for n, e in fs.items())
                   and isinstance(m["created"], (int, float)) and STATE in files
                   and all("/" not in n and "\\" not in n and type(e["size"]) is int
                           and isinstance(e["sha256"], str) for n, e in files.items()))
@@ -187,12 +161,16 @@ class CheckpointStore:
         info = CheckpointInfo(step, d, float(m["created"]), {n: e["sha256"] for n, e in files.items()})
         full_hash = full_hash or self._hashed.get(step) != info.created
         data = {}
-        for (name, e), fi in zip(files.items(), self.fs.get_file_info([f"{d}/{n}" for n in files])):
+        listed = [(n, e, n) for n, e in files.items()]
+        # Parts are checked by size here, hashed in full by verify() (streamed) and by the
+        # actor that reads one back: the driver never holds an actor's state.
+        listed += [(f"part-{p}/{n}", e, None) for p, fs in parts.items() for n, e in fs.items()]
+        for (name, e, keep), fi in zip(listed, self.fs.get_file_info([f"{d}/{n}" for n, _, _ in listed])):
             if fi.type != pafs.FileType.File:
                 raise self._bad(step, f"{name} is missing")
             if fi.size != e["size"]:
                 raise self._bad(step, f"{name} has {fi.size} bytes, not {e['size']} (truncated?)")
-            if not full_hash:
+            if not full_hash or (keep is None and want):
                 continue
             with self.fs.open_input_stream(fi.path, compression=None) as f:
                 # load() deserialises exactly the bytes it hashed; verify() streams to spare memory
@@ -202,6 +180,7 @@ class CheckpointStore:
                 raise self._bad(step, f"{name} sha256 mismatch (manifest {e['sha256'][:12]}..., "
                                       f"file {h.hexdigest()[:12]}...)")
         self._hashed[step] = info.created
+        self._parts[step] = {p: StoredPart(self.uri, f"{d}/part-{p}", step, p, dict(fs)) for p, fs in parts.items()}
         return info, data
 
     def _newest(self, load: bool):
@@ -276,9 +255,10 @@ class CheckpointStore:
             with fs.open_input_stream(f"{src}/{MANIFEST}", compression=None) as f:
                 m = json.loads(f.read())
             step, names = m["step"], list(m["files"])
+            names += [f"part-{p}/{n}" for p, fs in m.get("parts", {}).items() for n in fs]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{src}: no readable {MANIFEST} ({type(exc).__name__}: {exc}); not a raylane checkpoint") from None
-        if type(step) is not int or step < 0 or any("/" in n or "\\" in n for n in names):
+        if type(step) is not int or step < 0 or any(".." in n or "\\" in n or n.count("/") > (n.startswith("part-")) for n in names):
             raise CheckpointError(f"{src}/{MANIFEST}: unexpected content (step {step!r}); not a raylane checkpoint")
         for old in self._scan():
             self.fs.delete_dir(self._dir(old))
@@ -287,33 +267,31 @@ class CheckpointStore:
         d = self._dir(step)
         self.fs.create_dir(d, recursive=True)
         for name in names + [MANIFEST]:
+            if "/" in name:
+                self.fs.create_dir(f"{d}/{name.rsplit('/', 1)[0]}", recursive=True)
             with fs.open_input_stream(f"{src}/{name}", compression=None) as f:
                 self._write(f"{d}/{name}", f.read())
         return step
 
-    def save(self, step: int, state: dict) -> CheckpointInfo:
-        """Write ``state`` as checkpoint ``step`` (replacing any folder of that step), then prune."""
+    def save(self, step: int, state: dict, parts: dict[str, dict] | None = None) -> CheckpointInfo:
+        """Write ``state`` as checkpoint ``step`` (replacing any folder of that step), then prune.
+        ``parts``: {name: {file: {"size", "sha256"}}} of the parts actors already wrote into
+        the step's folder (:mod:`raylane.checkpoint_parts`); ``state`` names them with
+        :class:`~raylane.checkpoint_format.PartRef`. The manifest, written last, lists them."""
         self._require(step, exists=False)
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
-        tensors, blobs = {}, {}
-        state_json = json.dumps(_encode(state, (), tensors, blobs), allow_nan=True).encode()
+        blobs = encode(state)
         d = self._dir(step)
         self._hashed.pop(step, None)
         self._loadable.pop(step, None)
-        if tensors:
-            torch.save(tensors, buf := io.BytesIO())
-            blobs = {TENSORS: buf.getbuffer(), **blobs}
-        files = {name: {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-                 for name, payload in {**blobs, STATE: state_json}.items()}
+        files = file_entries(blobs)
         created = time.time()
         manifest = json.dumps({"version": FORMAT_VERSION, "step": step, "created": created,
-                               "files": files}, indent=1).encode()
+                               "files": files, **({"parts": parts} if parts else {})}, indent=1).encode()
         try:
-            if self.fs.get_file_info(d).type != pafs.FileType.NotFound:
-                self.fs.delete_dir(d)
+            if not parts and self.fs.get_file_info(d).type != pafs.FileType.NotFound:
+                self.fs.delete_dir(d)  # (with parts, the folder already holds them)
             self.fs.create_dir(d, recursive=True)
-            for name, payload in {**blobs, STATE: state_json}.items():
+            for name, payload in blobs.items():
                 self._write(f"{d}/{name}", payload)
             if self._local:
                 self._write(f"{d}/{MANIFEST}.tmp", manifest)
@@ -325,7 +303,7 @@ class CheckpointStore:
                 self.fs.delete_dir(d)
             except OSError:
                 pass
-            size = sum(f["size"] for f in files.values()) + len(manifest)
+            size = sum(f["size"] for f in files.values()) + len(manifest) + sum(e["size"] for fs in (parts or {}).values() for e in fs.values())
             raise CheckpointWriteError(f"checkpoint of step {step} ({size / 2**20:.1f} MiB) could not be written to {d}: {exc}. "
                                        "Free space there (or make it writable), or set driver.checkpoint_uri to another place; "
                                        "the checkpoints already written are whole") from exc
@@ -364,23 +342,12 @@ class CheckpointStore:
         info, data = self._check(step, want=True)
         return info.step, self._deserialize(info, data)
 
+    def load_whole(self, step: int | None = None) -> tuple[int, dict]:
+        """:meth:`load` with every part read into the state (each checked against the
+        manifest): the whole checkpoint in this process, to inspect or export it. A run
+        never does this; its actors read their own parts."""
+        step, state = self.load(step)
+        return step, _read_parts(state)
+
     def _deserialize(self, info: CheckpointInfo, data: dict[str, bytes]) -> dict:
-        tensors = {}
-        if TENSORS in data:
-            try:
-                tensors = torch.load(io.BytesIO(data[TENSORS]), weights_only=True, map_location="cpu")
-                ok = isinstance(tensors, dict) and all(type(v) is torch.Tensor for v in tensors.values())
-                why = "" if ok else "it does not hold a dict of tensors"
-            except Exception as e:  # weights_only unpickler refuses anything but plain tensors
-                why = _refusal(e)
-            if why:
-                raise CheckpointError(
-                    f"checkpoint step {info.step}: {TENSORS} in {info.path} is not a plain-tensor file "
-                    f"({why}); it was not written by CheckpointStore and was not loaded - delete it "
-                    "or load another step")
-        try:
-            return _decode(json.loads(data[STATE]), tensors,
-                           {n: b for n, b in data.items() if n.startswith("blob-")})
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint step {info.step}: {STATE} in {info.path} is inconsistent "
-                                  f"({type(e).__name__}: {e}); load another step") from None
+        return decode(data, f"checkpoint step {info.step} in {info.path}", self._parts.get(info.step, {}))

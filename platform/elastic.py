@@ -17,7 +17,6 @@ from raylane.placement import capacity, fmt_res, shortfalls
 from raylane.policies import Autoscaler, PoolAutoscale, PoolView, ScalingPolicy
 from raylane.group import Membership, PoolError
 from raylane.runlog import say
-from raylane.workload import hook
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,13 @@ class Elasticity:
                                                  else "driver.autoscale is off: `raylane scale` grows it."))
         return short
 
+    def _pools(self) -> dict[str, Membership]:
+        """The run's groups (the driver's registry), once the run has its context."""
+        return {} if self.ctx is None else self.ctx.groups.all()
+
     def keep_asks(self, short: list[dict]) -> None:
         """The asked sizes of the short roles stand: their pools grow back when nodes with room join."""
-        pools = self.workload.pools()
+        pools = self._pools()
         for s in short:
             if s["role"] in pools:
                 self.wanted[s["role"]] = s["asked"]
@@ -72,7 +75,7 @@ class Elasticity:
 
             self._channel = ControlChannel(self.run_name, self.workload.name)
             self._quietly(self._channel.register)
-            self._quietly(self._channel.publish, step, self._reports(self.workload.pools()))
+            self._quietly(self._channel.publish, step, self._reports(self._pools()))
 
     def close(self, state: str) -> None:
         if self._channel is not None:
@@ -82,7 +85,7 @@ class Elasticity:
         """Between steps: a pool that cannot refill (or has room to grow back) is rescaled."""
         if self.ctx is None or not self.autoscale:
             return
-        pools = self.workload.pools()
+        pools = self._pools()
         for name, pool in pools.items():
             self.wanted.setdefault(name, pool.target)
         if any(p.size < p.target or p.target < self.wanted[n] for n, p in pools.items() if p.role.lo != p.role.hi):
@@ -114,7 +117,7 @@ class Elasticity:
         if self.ctx is None:
             return
         self._step = step
-        pools = self.workload.pools()
+        pools = self._pools()
         if self._autoscaler.specs:
             self._autoscale(pools)
         if self._requested or any(self.wanted.get(r, p.target) > p.size for r, p in pools.items()):
@@ -134,7 +137,7 @@ class Elasticity:
         """Elastic pools' target and live size, logged with every step's metrics (so scaling
         decisions show in metrics.jsonl and TensorBoard next to what they did)."""
         out = {}
-        for role, pool in self.workload.pools().items():
+        for role, pool in self._pools().items():
             if pool.role.lo != pool.role.hi:
                 out[f"pool/{role}/target"] = pool.target
                 out[f"pool/{role}/live"] = pool.size
@@ -142,7 +145,7 @@ class Elasticity:
 
     def _autoscale(self, pools: dict[str, Membership]) -> None:
         assert self.ctx is not None
-        waited = hook(self.workload, "waits")()
+        waited = self.workload.waits()
         now = time.time()
         for role, spec in self._autoscaler.specs.items():
             pool = pools.get(role)

@@ -1,4 +1,4 @@
-"""Running a job: validate its config, connect to Ray, drive it, report where it went.
+"""Running a job: its config prepared (:mod:`raylane.prepare`), Ray joined, the run driven, where it went reported.
 
 Shared by ``raylane run`` and ``python -m raylane.jobs.<name>`` (which is what
 ``raylane submit`` and ``ray job submit`` execute on a cluster), so both take the
@@ -15,36 +15,11 @@ from typing import Any, Sequence
 from pathlib import Path
 
 from raylane import config as cfg
-from raylane import runconfig
+from raylane import prepare, runrecord
 from raylane.join import ConnectError
 from raylane.registry import JobSpec
 from raylane.runlock import RunBusy, RunLock
-from raylane.runpaths import RunPathError, check_run_name
-
-
-def load_job_config(spec: JobSpec, *, config_file: str | None = None, overrides: Sequence[str] = (), run_name: str | None = None, progress: bool | None = None) -> Any:
-    """The job's validated config: defaults <- YAML file <- ``--set`` overrides."""
-    conf = cfg.load_config(spec.config_cls, yaml_path=config_file, overrides=list(overrides))
-    # Set directly, not as an override: a run name like 2024-05-01 or 123 is a name, not YAML.
-    if run_name is not None:
-        try:
-            conf.driver.run_name = check_run_name(run_name, "--run-name")
-        except RunPathError as exc:
-            raise cfg.ConfigError(str(exc)) from None
-    if progress is not None and hasattr(conf, "driver"):
-        conf.driver.progress = progress
-    return conf
-
-
-def build_workload(spec: JobSpec, conf: Any) -> Any:
-    """The job's workload. Building it reads and checks the job's input (a dataset, a
-    graph, an env id); a bad one is a :class:`ConfigError`, before Ray or any actor starts."""
-    try:
-        return spec.build(conf)
-    except cfg.ConfigError:
-        raise
-    except (ValueError, FileNotFoundError) as exc:
-        raise cfg.ConfigError(f"{spec.name}: {exc}") from exc
+from raylane.runpaths import RunPathError
 
 
 def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: bool = False, new: bool = False, resume_with_changes: bool = False) -> dict:
@@ -63,7 +38,7 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
     runs = Path(conf.driver.runs_dir)
     name = conf.driver.run_name = conf.driver.run_name or default_run_name(spec.name)
     if new and (runs / name).exists():
-        conf.driver.run_name = runconfig.next_free_name(runs, name)
+        conf.driver.run_name = runrecord.next_free_name(runs, name)
         _say(f"run {name!r} exists; --new starts a fresh run named {conf.driver.run_name!r}")
     run_dir = runs / conf.driver.run_name
     # Held from before the record is read to the run's end: a second run under this name is
@@ -82,25 +57,17 @@ def run_job(spec: JobSpec, conf: Any, *, address: str | None = None, dashboard: 
 def _run_locked(spec: JobSpec, conf: Any, run_dir: Path, name: str, *, address: str | None, dashboard: bool, resume_with_changes: bool) -> dict:
     from raylane import session
     from raylane.driver import Driver
-    from raylane.runlog import RunLog
     from raylane.runlog import say as _say
 
-    changes = runconfig.check_resume(spec.name, conf, run_dir, accept_changes=resume_with_changes)
-    if not changes and (done := runconfig.finished_summary(run_dir)) is not None:
+    changes = runrecord.check_resume(spec.name, conf, run_dir, accept_changes=resume_with_changes)
+    if not changes and (done := runrecord.finished_summary(run_dir)) is not None:
         _say(f"run {conf.driver.run_name!r} finished at step {done.get('steps')}; its files are left as they are. To train it further, "
              f"run it again with --resume-with-changes and a higher driver.max_steps (now {conf.driver.max_steps}); --new starts a fresh run")
         return done
-    workload = build_workload(spec, conf)
-    runconfig.write_record(spec.name, conf, run_dir)
-    if changes or conf.driver.run_name != name:
-        log = RunLog(run_dir, tensorboard=False)
-        if conf.driver.run_name != name:
-            log.event("run_renamed", asked=name, used=conf.driver.run_name, reason="--new: the asked name is an existing run")
-        if changes:
-            log.event("config_changed", changes=[{"key": k, "run": a, "now": b} for k, a, b in changes])
-        log.close()
-        for k, a, b in changes:
-            _say(f"resuming with a changed {k}: {a!r} -> {b!r}")
+    renamed = [{"kind": "run_renamed", "asked": name, "used": conf.driver.run_name, "reason": "--new: the asked name is an existing run"}]
+    workload = prepare.begin(spec, conf, run_dir, changes, renamed if conf.driver.run_name != name else [])
+    for k, a, b in changes:
+        _say(f"resuming with a changed {k}: {a!r} -> {b!r}")
     session.connect(address, dashboard=dashboard)
     return Driver(workload, conf.driver).run()
 
@@ -131,7 +98,7 @@ def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--resume-with-changes", action="store_true", help="resume --run-name although its config differs (the changes are listed)")
     args = parser.parse_args(argv)
     try:
-        conf = load_job_config(spec, config_file=args.config, overrides=args.set, run_name=args.run_name, progress=False if args.no_progress else None)
+        conf = prepare.job_config(spec, config_file=args.config, overrides=args.set, run_name=args.run_name, progress=False if args.no_progress else None)
     except cfg.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

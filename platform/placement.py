@@ -27,6 +27,8 @@ from raylane.cluster import ClusterView, NodeInfo
 
 SPOT = "spot"
 ON_DEMAND = "on-demand"
+ANY = "any"
+ROLE_MARKETS = ("auto", ON_DEMAND, ANY, SPOT)
 MARKET_LABEL = "ray.io/market-type"
 
 
@@ -90,6 +92,11 @@ class RoleSpec:
     want: int | None = None
     """Elastic roles: how many actors the user asked to start with. A plan that holds fewer
     is reported (terminal and ``shortfall`` event) with the resources missing; None: no report."""
+    market: str = "auto"
+    """Where the role's actors go first: ``auto`` (stateful roles on-demand, stateless ones
+    spot), ``on-demand``, ``spot`` (each falling back to the other market when it has no
+    room), or ``any`` (the best node of either market). Set from ``driver.stateful_market``
+    and ``driver.role_markets``."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -110,6 +117,8 @@ class RoleSpec:
                 raise ValueError(f"role {self.name!r}: need 1 <= min_count <= max_count, got min_count={lo}, max_count={hi}")
         if self.want is not None and not self.lo <= self.want <= self.hi:
             raise ValueError(f"role {self.name!r}: want must be between {self.lo} and {self.hi}, got {self.want}")
+        if self.market not in ROLE_MARKETS:
+            raise ValueError(f"role {self.name!r}: market must be one of {', '.join(ROLE_MARKETS)}, got {self.market!r}")
         if self.accelerator not in ("none", "prefer", "require"):
             raise ValueError(f"role {self.name!r}: accelerator must be 'none', 'prefer' or 'require', got {self.accelerator!r}")
 
@@ -123,7 +132,10 @@ class RoleSpec:
 
     @property
     def preferred_market(self) -> str:
-        return ON_DEMAND if self.stateful else SPOT
+        """``on-demand``, ``spot`` or ``any`` (see :attr:`market`)."""
+        if self.market == "auto":
+            return ON_DEMAND if self.stateful else SPOT
+        return self.market
 
 
 @dataclass(frozen=True)
@@ -247,9 +259,11 @@ def _assign(role: RoleSpec, usable: Sequence[NodeInfo], free: dict[str, dict[str
     Each actor goes to the best node of the preferred market that fits (:class:`_Fitting`),
     else to the best node of the other market.
     """
-    preferred = [n for n in usable if n.market == role.preferred_market]
-    other = [n for n in usable if n.market != role.preferred_market]
-    prefers = f"{'stateful' if role.stateful else 'stateless'} role prefers {role.preferred_market}"
+    market = role.preferred_market
+    preferred = [n for n in usable if market == ANY or n.market == market]
+    other = [n for n in usable if market != ANY and n.market != market]
+    kind = "stateful" if role.stateful else "stateless"
+    prefers = f"{kind} role takes any market" if market == ANY else f"{kind} role prefers {market}" + (" (as set)" if role.market != "auto" else "")
     fallback = f"fallback: {'no' if not preferred else 'no room on'} {role.preferred_market} nodes for {_fmt(role.resources)}"
     first = _Fitting(role, preferred, free, placed)
     # Built at the first fallback, from the free resources as they are then: nothing
@@ -398,7 +412,7 @@ def _no_room(role: RoleSpec, wanted: int, placed: int, nodes: Sequence[NodeInfo]
 
 
 def plan_when_free(roles: Sequence[RoleSpec], read_cluster: Callable[[], ClusterView], wait_s: float,
-                   on_wait: Callable[[PlacementError], None] = lambda exc: None) -> tuple[ClusterView, Plan]:
+                   on_wait: Callable[[PlacementError], None] = lambda exc: None, counts: Mapping[str, int] | None = None) -> tuple[ClusterView, Plan]:
     """:func:`plan` on a fresh snapshot; while the roles would fit the cluster's whole
     capacity but not what is free now, wait (up to ``wait_s``) for busy capacity to free,
     calling ``on_wait(error)`` once. Capacity the cluster does not have fails at once."""
@@ -407,9 +421,9 @@ def plan_when_free(roles: Sequence[RoleSpec], read_cluster: Callable[[], Cluster
     while True:
         cluster = read_cluster()
         try:
-            return cluster, plan(roles, cluster)
+            return cluster, plan(roles, cluster, counts)
         except PlacementError as exc:
-            if time.monotonic() >= deadline or not _fits_when_idle(roles, cluster):
+            if time.monotonic() >= deadline or not _fits_when_idle(roles, cluster, counts):
                 raise
             if not waited:
                 on_wait(exc)
@@ -417,12 +431,13 @@ def plan_when_free(roles: Sequence[RoleSpec], read_cluster: Callable[[], Cluster
         time.sleep(0.25)
 
 
-def _fits_when_idle(roles: Sequence[RoleSpec], cluster: ClusterView) -> bool:
+def _fits_when_idle(roles: Sequence[RoleSpec], cluster: ClusterView, counts: Mapping[str, int] | None = None) -> bool:
     """Whether the roles would fit with every node's CPUs, GPUs and memory free."""
     idle = [dataclasses.replace(n, available={**n.available, "CPU": n.cpus, "GPU": n.gpus, "memory": max(n.memory, n.available.get("memory", 0.0))})
             for n in cluster.nodes]
     try:
-        plan(roles, dataclasses.replace(cluster, nodes=tuple(idle)))
+        plan(roles, dataclasses.replace(cluster, nodes=tuple(idle)), counts)
         return True
     except PlacementError:
         return False
+

@@ -1,7 +1,6 @@
 """The driver's decisions as small policies over frozen status data. No Ray here.
 
 * :class:`FailurePolicy`: after a failure, recover or give up.
-* :class:`CheckpointPolicy`: checkpoint now, and why.
 * :class:`ScalingPolicy`: target pool sizes as nodes join and leave.
 * :func:`non_finite`: a guarded metric (a loss) that went NaN or infinite.
 """
@@ -87,43 +86,6 @@ class FailurePolicy:
             if n > budget:
                 return Decision("fail", f"role {role!r} failed {n} times, budget {budget}:\n{group_errors([f for f in failures if f.role == role])}")
         return Decision("recover", f"failure {len(failures)} of at most {self.max_failures}")
-
-
-@dataclass(frozen=True)
-class CheckpointStatus:
-    step: int
-    last_step: int | None
-    last_time: float
-    now: float
-    notice: bool = False  # a node holding stateful actors got a preemption notice
-    final: bool = False
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """Checkpoint every N steps, every T seconds, at once on a preemption notice, and at the end."""
-
-    every_steps: int = 10
-    """Steps between checkpoints; 0 turns step-based checkpoints off."""
-    every_s: float = 0.0
-    """Seconds between checkpoints; 0 turns time-based checkpoints off."""
-
-    def __post_init__(self) -> None:
-        if self.every_steps < 0 or not (self.every_s >= 0 and math.isfinite(self.every_s)):
-            raise ValueError(f"every_steps and every_s must be >= 0, got {self.every_steps}, {self.every_s}")
-
-    def decide(self, s: CheckpointStatus) -> tuple[bool, str]:
-        if s.last_step == s.step:
-            return False, "already saved at this step"
-        if s.notice:
-            return True, "preemption notice for a node with stateful actors"
-        if s.final:
-            return True, "run finished"
-        if self.every_steps and s.step % self.every_steps == 0:
-            return True, f"every {self.every_steps} steps"
-        if self.every_s and s.now - s.last_time >= self.every_s:
-            return True, f"{s.now - s.last_time:.0f} s since the last checkpoint"
-        return False, ""
 
 
 @dataclass(frozen=True)

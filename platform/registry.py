@@ -27,12 +27,18 @@ class JobSpec:
 
     ``config_cls`` is a dataclass of the job's own keys plus ``driver: DriverConfig`` (run
     name, stop rules, checkpoints), so every job takes ``--set driver.max_steps=...``;
-    ``build(config)`` returns a :class:`raylane.workload.Workload`."""
+    ``build(config)`` returns a :class:`raylane.workload.Workload`, or, when the job has a
+    ``prepare``, ``build(config, inputs)`` with what ``prepare(config)`` returned.
+    :func:`raylane.prepare.build` is the one place both are called."""
 
     name: str
     summary: str
     config_cls: type
-    build: Callable[[Any], "Workload"]
+    build: Callable[..., "Workload"]
+    prepare: Callable[[Any], Any] | None = None
+    """Reads and checks the job's inputs once, before Ray starts (an env made and wrapped, a
+    table described, tokens read); a bad input raises ``ValueError`` naming the key. None:
+    the job has no inputs to read, or reads them in ``build``."""
 
     def __post_init__(self) -> None:
         from raylane.workload import DriverConfig

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 
 from raylane import config as cfg
-from raylane import devcluster_state
+from raylane.devcluster import state as devcluster_state
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 ADDRESS_ENV = "RAY_API_SERVER_ADDRESS"  # what `ray job submit` reads too

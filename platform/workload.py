@@ -7,9 +7,9 @@ defaults), and how a failure is judged recoverable. A workload implements
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -17,10 +17,10 @@ import pyarrow.fs as pafs
 from raylane import config as cfg
 from raylane.checkpoint import CheckpointStore
 from raylane.cluster import ClusterView
-from raylane.placement import Plan, RoleSpec
+from raylane.placement import ANY, ON_DEMAND, SPOT, Plan, RoleSpec
 from raylane.policies import PoolAutoscale
 from raylane.errors import is_recoverable  # noqa: F401 - part of the contract
-from raylane.group import Membership
+from raylane.group import Gang, Groups, TaskPool
 from raylane.runlog import RunLog
 from raylane.runpaths import check_run_name, check_writable_dir
 
@@ -84,6 +84,10 @@ class DriverConfig:
     """Checkpoint when this many seconds passed since the last one (0: off)."""
     keep_checkpoints: int = cfg.field(3, ge=1)
     """Keep the newest K checkpoints."""
+    replicate_every_steps: int = cfg.field(1, ge=1)
+    """Stateful actors that write their own checkpoint parts also hand a snapshot to a keeper
+    on another node every N steps; a lost one is restored from that copy in memory (at most
+    N steps run again), from the store only when the copy is gone too."""
     max_failures: int = cfg.field(3, ge=0)
     """Failures the run recovers from before it is FAILED."""
     max_recovery_s: float = cfg.field(600.0, ge=0)
@@ -104,17 +108,40 @@ class DriverConfig:
     """Serve ``raylane pools`` and ``raylane scale`` for this run."""
     pool_autoscale: list[PoolAutoscale] = field(default_factory=list)
     """Autoscaled pools: a list of {role, min, max, ...}."""
+    stateful_market: Literal["on-demand", "spot", "any"] = "on-demand"
+    """Where stateful roles (parameter shards, stages, learners, trainers) go first:
+    ``on-demand``, ``spot`` (the spot price for the state; a lost actor is restored from the
+    checkpoint) or ``any``; each falls back to the other market when it has no room."""
+    role_markets: dict[str, Literal["on-demand", "spot", "any"]] = field(default_factory=dict)
+    """Per role, overriding ``stateful_market`` and the stateless default (spot): ``{param_shard: spot}``."""
 
     def validate(self) -> None:
+        markets = (ON_DEMAND, SPOT, ANY)
+        if self.stateful_market not in markets:
+            raise ValueError(f"driver.stateful_market={self.stateful_market!r}: use one of {', '.join(markets)}")
+        for role, market in self.role_markets.items():
+            if market not in markets:
+                raise ValueError(f"driver.role_markets.{role}={market!r}: use one of {', '.join(markets)}")
         if self.run_name is not None:
             check_run_name(self.run_name, "run_name")
         if self.checkpoint_uri is not None:
             check_uri_scheme(self.checkpoint_uri, "checkpoint_uri")
 
+    def with_markets(self, roles: list[RoleSpec]) -> list[RoleSpec]:
+        """``roles`` with ``stateful_market`` and ``role_markets`` applied; a role name in
+        ``role_markets`` that the job does not have is refused, naming its roles."""
+        names = [r.name for r in roles]
+        if unknown := sorted(set(self.role_markets) - set(names)):
+            raise ValueError(f"driver.role_markets names {unknown}, which this job does not have; its roles: {names}")
+        return [replace(r, market=self.role_markets.get(r.name, self.stateful_market if r.stateful else r.market)) for r in roles]
+
     def store_uri(self, run_dir: Any) -> str:
         """Where this run's checkpoints go (see ``checkpoint_uri``)."""
         uri = self.checkpoint_uri
-        return str(Path(run_dir) / "checkpoints") if uri is None else f"{uri.rstrip('/')}/{Path(run_dir).name}"
+        if uri is None:
+            return str(Path(run_dir) / "checkpoints")
+        base, sep, query = uri.partition("?")  # options of the filesystem (s3's endpoint_override, region) stay at the end
+        return f"{base.rstrip('/')}/{Path(run_dir).name}{sep}{query}"
 
     def check_paths(self) -> None:
         """Make and write to the run and checkpoint folders (before Ray starts): a folder
@@ -126,25 +153,50 @@ class DriverConfig:
 
 @dataclass
 class Context:
-    """What a workload gets to build itself: the cluster, the plan for its roles, a store."""
+    """What a workload gets to build itself: the cluster, the plan for its roles, a store, the
+    run's folder and log, and its groups. A workload asks for its actors here
+    (:meth:`task_pool`, :meth:`gang`) and keeps the handles; the driver owns the groups: it
+    sizes and starts them from the plan, reports and resizes them, re-forms them on recovery
+    and shuts them down at the end."""
 
     cluster: ClusterView
     plan: Plan
     store: CheckpointStore
     run_dir: Path
     log: RunLog
+    groups: Groups
 
-    def count(self, role: str) -> int:
-        return self.plan.count(role)
+    def task_pool(self, role: str, actor_cls: Any, **options: Any) -> TaskPool:
+        """A task pool of interchangeable actors of ``role`` (options: :class:`~raylane.group.TaskPool`'s)."""
+        return self.groups.task_pool(role, actor_cls, **options)
+
+    def gang(self, role: str, actor_cls: Any, **options: Any) -> Gang:
+        """A gang of ranked actors of ``role`` (options: :class:`~raylane.group.Gang`'s, ``on_join`` among them)."""
+        return self.groups.gang(role, actor_cls, **options)
+
+
+_HOOKS = """
+    - ``roles()``, ``setup(ctx)``, ``step(step)``, ``state_dict()``, ``load_state_dict(state)``: required.
+    - ``done(step, metrics)`` after every step: True ends the run FINISHED (default: never; the stop rules end it).
+    - ``recover(ctx, error)`` after a recoverable failure, before the driver re-forms the groups
+      and reloads the last checkpoint: what the workload itself must rebuild (default: nothing).
+    - ``on_event(event)`` for each node event: True asks for a checkpoint now (default: False).
+    - ``waits()`` between steps: seconds each role's consumer waited for it, for the utilisation autoscaler (default: none).
+    - ``progress_of(step, metrics)``: ``(done, total, unit)`` of the workload's own stop rule, for the progress bar (default: none).
+    - ``finish(ctx)`` once, after the final checkpoint of a run that FINISHED or STOPPED (default: nothing).
+    - ``close()`` always, last, after the driver shut the groups down: free what else it holds (default: nothing).
+"""
 
 
 @runtime_checkable
 class Workload(Protocol):
-    """What the driver needs from a workload. See :class:`Driver` for when each is called."""
+    __doc__ = "What the driver needs from a workload; :class:`BaseWorkload` gives every optional member its default.\n" + _HOOKS
 
     name: str
     main_metric: str
     guarded_metrics: tuple[str, ...]
+    metrics: tuple[str, ...]
+    progress_metrics: tuple[str, ...]
 
     def roles(self) -> list[RoleSpec]: ...
     def setup(self, ctx: Context) -> None: ...
@@ -152,8 +204,11 @@ class Workload(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
     def done(self, step: int, metrics: dict[str, Any]) -> bool: ...
-    def pools(self) -> dict[str, Membership]: ...
     def recover(self, ctx: Context, error: BaseException) -> None: ...
+    def on_event(self, event: Any) -> bool: ...
+    def waits(self) -> dict[str, float]: ...
+    def progress_of(self, step: int, metrics: dict[str, Any]) -> tuple[float, float, str] | None: ...
+    def finish(self, ctx: Context) -> None: ...
     def close(self) -> None: ...
 
 
@@ -162,19 +217,7 @@ def default_run_name(job: str) -> str:
 
 
 class BaseWorkload:
-    """Defaults for a workload's optional hooks; a subclass implements the required ones
-    (``roles``, ``setup``, ``step``, ``state_dict``, ``load_state_dict``) and overrides
-    the others where it has something to say. When the driver calls each:
-
-    - ``done(step, metrics)`` after every step: True ends the run FINISHED (default: never; the stop rules end it).
-    - ``pools()`` between steps: the elastic pools the driver may resize and report (default: none).
-    - ``recover(ctx, error)`` after a recoverable failure, before the last checkpoint is reloaded (default: nothing to rebuild).
-    - ``on_event(event)`` for each node event: True asks for a checkpoint now (default: False).
-    - ``waits()`` between steps: seconds each role's consumer waited for it, for the utilisation autoscaler (default: none).
-    - ``progress_of(step, metrics)``: ``(done, total, unit)`` of the workload's own stop rule, for the progress bar (default: none).
-    - ``finish(ctx)`` once, after the final checkpoint of a run that FINISHED or STOPPED (default: nothing).
-    - ``close()`` always, last: free actors and files (default: nothing).
-    """
+    __doc__ = "Defaults for every optional member of :class:`Workload` (the same list); a subclass implements the required ones.\n" + _HOOKS
 
     name: str = "workload"
     main_metric: str = "loss"
@@ -193,9 +236,6 @@ class BaseWorkload:
 
     def done(self, step: int, metrics: dict[str, Any]) -> bool:
         return False
-
-    def pools(self) -> dict[str, Membership]:
-        return {}
 
     def recover(self, ctx: Context, error: BaseException) -> None:
         return None
@@ -216,8 +256,9 @@ class BaseWorkload:
         return None
 
 
-def hook(workload: Any, name: str) -> Any:
-    """The workload's optional hook ``name``, or :class:`BaseWorkload`'s default for one
-    that implements only the required part of :class:`Workload`."""
-    own = getattr(workload, name, None)
-    return own if own is not None else getattr(BaseWorkload, name).__get__(workload)
+def check_workload(workload: Any) -> None:
+    """Refuse, naming them, a workload that lacks members of :class:`Workload`."""
+    members = [m for m in vars(Workload) if not m.startswith("_")] + list(Workload.__annotations__)
+    if missing := sorted(m for m in set(members) if not hasattr(workload, m)):
+        raise TypeError(f"workload {type(workload).__name__} lacks {missing}: subclass raylane.api.BaseWorkload, "
+                        "which gives every optional member its default")

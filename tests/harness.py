@@ -11,8 +11,9 @@ Tests import it by name (tests/ is on sys.path through tests/conftest.py)::
 
 The Driver always runs in the calling thread: it installs its signal handlers there, and a
 test that sends the process a signal needs that thread to be the main one. Actions run
-either inside ``workload.step`` (``at``: synchronous, exactly before a given step) or in a
-background thread (``during``: a schedule that follows the step count).
+either through the driver's ``before_step`` callback (``at``: synchronous, exactly before a
+given step, as part of it) or in a background thread (``during``: a schedule that follows
+the step count).
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import ray
 import torch
 
-from raylane.driver import Driver, DriverConfig
+from raylane.checkpoint import read_part
+from raylane.checkpoint_format import StoredPart
+from raylane.driver import Driver, DriverConfig, State
 from raylane.runlog import read_jsonl
 
 
@@ -51,6 +55,18 @@ class Steps(list):
             if self.run_over.is_set():
                 raise RunOver(f"the run ended after {len(self)} step calls; the schedule waited for {n}")
             time.sleep(poll_s)
+
+    def rollback(self) -> tuple[int, int]:
+        """``(last, next)``: the last index called before the first rollback and the index the
+        run went on with (the checkpoint's step).
+
+        A failure the driver records at step ``F`` (``steps_done``) was raised either by the
+        call of index ``F`` or at the boundary after index ``F - 1`` (a snapshot or checkpoint
+        of that step), so ``last`` is ``F`` or ``F - 1``."""
+        for j in range(1, len(self)):
+            if self[j] <= self[j - 1]:
+                return self[j - 1], self[j]
+        raise AssertionError(f"no step was run again: {list(self)}")
 
 
 @dataclass
@@ -78,6 +94,7 @@ def drive(
     before_close: Callable[[], Any] | None = None,
     join_s: float = 120.0,
     steps: Steps | None = None,
+    before_step: Callable[[int], Any] | None = None,
 ) -> Driven:
     """Run ``workload`` to its end under the Driver, in the calling thread, and return its
     summary, step log and ``events.jsonl``.
@@ -85,8 +102,8 @@ def drive(
     ``driver`` is a DriverConfig (a Driver is made for it) or a Driver already made for
     ``workload``.
 
-    ``at``: ``{i: fn}``: ``fn()`` is called inside ``workload.step``, once, as step ``i`` is
-    called for the first time, just before the workload's own step runs.
+    ``at``: ``{i: fn}``: ``fn()`` is called once, as step ``i`` is run for the first time,
+    just before the workload's own step (a failure it raises is the step's).
 
     ``during``: ``fn(steps)`` runs in a daemon thread started before the driver, with the
     :class:`Steps` log (``steps.wait(n)`` blocks until ``n`` step calls have begun). It is
@@ -99,17 +116,19 @@ def drive(
     ``hold``: the workload's ``done`` is False until ``during`` is over, so the run lasts
     through the whole schedule.
 
-    ``before_close``: called just before the workload's ``close`` (its actors still up).
+    ``before_close``: called after the last step, before the run is finished (its actors still up).
 
-    ``steps``: the :class:`Steps` log to fill, for a test whose own step wrapper (installed
-    before this call, so it runs after the index is logged) needs it, e.g. its
-    ``schedule_over`` event; a new one by default.
+    ``steps``: the :class:`Steps` log to fill, for a test whose ``before_step`` needs it,
+    e.g. its ``schedule_over`` event; a new one by default.
+
+    ``before_step(i)``: the test's own callback, after the index is logged and the ``at``
+    action and pacing ran.
     """
     if hold and during is None:
         raise ValueError("hold=True needs a during schedule to wait for")
     steps = Steps() if steps is None else steps
     pending = dict(at or {})
-    original_step, original_done, original_close = workload.step, workload.done, workload.close
+    original_done = workload.done
 
     def step(i: int):
         steps.append(i)
@@ -118,20 +137,13 @@ def drive(
             action()
         if pace_s:
             time.sleep(pace_s)
-        return original_step(i)
+        if before_step is not None:
+            before_step(i)
 
-    workload.step = step
     if hold:
         workload.done = lambda i, m: original_done(i, m) and steps.schedule_over.is_set()
-    if before_close is not None:
-
-        def close():
-            before_close()
-            original_close()
-
-        workload.close = close
-
     d = driver if isinstance(driver, Driver) else Driver(workload, driver)
+    d.before_step = step
     errors: list[BaseException] = []
     thread = None
     if during is not None:
@@ -148,7 +160,15 @@ def drive(
         thread.start()
 
     try:
-        summary = d.run()
+        try:
+            d.start()
+            while d.step().state is State.RUNNING:
+                pass
+        except BaseException:  # noqa: BLE001 - the driver keeps it; finish() raises it after the summary
+            pass
+        if before_close is not None and d.log is not None:
+            before_close()
+        summary = d.finish()
     finally:
         steps.run_over.set()
         if thread is not None:
@@ -202,6 +222,10 @@ def watch_restores(workload) -> list[bool]:
     def load_state_dict(state):
         original(state)
         now, want = workload._learner_call("state"), state["learner"]
+        if isinstance(want, StoredPart):  # the learner's own part in the store
+            want = read_part(want)
+        elif isinstance(want, ray.ObjectRef):  # a replica from memory
+            want = ray.get(want, timeout=60)
         held.append(now["version"] == want["version"] and now["optimizer"] == want["optimizer"]
                     and now["params"].keys() == want["params"].keys()
                     and all(torch.equal(torch.as_tensor(now["params"][k]), torch.as_tensor(want["params"][k])) for k in want["params"]))

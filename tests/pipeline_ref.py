@@ -7,6 +7,7 @@ import torch
 from raylane.actors import corpus, gpt
 from raylane.checkpoint import CheckpointStore
 from raylane.jobs.pipeline_lm import PipelineLMConfig
+from raylane.jobs.pipeline_state import layers_of
 
 
 def reference(conf: PipelineLMConfig, steps: int) -> tuple[list[float], dict[str, dict]]:
@@ -44,8 +45,8 @@ def _train(conf: PipelineLMConfig, steps: int) -> tuple[list[float], dict[str, d
 
 
 def final_params(run_dir) -> dict[str, dict]:
-    _, state = CheckpointStore(str(run_dir / "checkpoints")).load()
-    return {i: st["params"] for i, st in state["workload"]["layers"].items()}
+    _, state = CheckpointStore(str(run_dir / "checkpoints")).load_whole()
+    return {i: st["params"] for i, st in layers_of(state["workload"]).items()}
 
 
 def check_close(got: dict, want: dict, d_model: int) -> None:

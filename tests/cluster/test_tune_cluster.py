@@ -12,8 +12,8 @@ import time
 import pytest
 
 from raylane.runlog import read_jsonl
-from raylane.tune_run import Search, tune
-from raylane.tune_space import parse_search
+from raylane.tune.run import Search, tune
+from raylane.tune.space import parse_search
 
 from market_helpers import wait_all_free  # tests/market_helpers.py
 

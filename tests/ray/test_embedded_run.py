@@ -57,7 +57,8 @@ def test_a_signal_to_the_whole_process_group_leaves_a_summary_and_a_private_toke
 
 def test_a_reused_run_name_resumes_only_its_own_config(ray_local, tmp_path, capfd):
     from raylane import config as cfg
-    from raylane.launch import load_job_config, run_job
+    from raylane.launch import run_job
+    from raylane.prepare import job_config as load_job_config
     from raylane.registry import get
 
     spec = get("linreg")
@@ -81,7 +82,8 @@ def test_a_reused_run_name_resumes_only_its_own_config(ray_local, tmp_path, capf
 
 
 def test_a_finished_run_asked_again_says_so_and_leaves_its_files_untouched(ray_local, tmp_path, capfd):
-    from raylane.launch import load_job_config, run_job
+    from raylane.launch import run_job
+    from raylane.prepare import job_config as load_job_config
     from raylane.registry import get
 
     spec = get("linreg")
@@ -104,7 +106,8 @@ def test_a_finished_run_asked_again_says_so_and_leaves_its_files_untouched(ray_l
 
 def test_a_second_run_under_a_busy_name_is_refused_naming_the_holder(ray_local, tmp_path):
     from raylane import config as cfg
-    from raylane.launch import load_job_config, run_job
+    from raylane.launch import run_job
+    from raylane.prepare import job_config as load_job_config
     from raylane.registry import get
     from raylane.runlock import RunLock
 
@@ -131,7 +134,8 @@ def test_a_second_run_under_a_busy_name_is_refused_naming_the_holder(ray_local, 
 
 
 def test_more_workers_than_the_cluster_holds_is_said_and_logged_with_what_is_missing(ray_local, tmp_path, capfd):
-    from raylane.launch import load_job_config, run_job
+    from raylane.launch import run_job
+    from raylane.prepare import job_config as load_job_config
     from raylane.registry import get
 
     spec = get("linreg")
@@ -150,7 +154,8 @@ def test_more_workers_than_the_cluster_holds_is_said_and_logged_with_what_is_mis
 STALE = """
 import ray
 from raylane import session
-from raylane.launch import load_job_config, run_job
+from raylane.launch import run_job
+from raylane.prepare import job_config as load_job_config
 from raylane.registry import get
 
 session.connect(None, num_cpus=2)       # raylane starts a Ray of its own ...

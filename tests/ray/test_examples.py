@@ -68,7 +68,7 @@ def test_the_data_parallel_example_loses_a_worker_and_ends_with_the_weights_of_a
 
 
 def test_a_bad_config_of_a_users_job_names_the_key(ray_at_root, tmp_path):
-    with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="workers: must be >= 1, got 0"):
         run(DP, overrides=[*settings(tmp_path, "bad", 2), "workers=0"])
     with pytest.raises(ValueError, match="unknown key 'wokers' for DPConfig; did you mean 'workers'"):
         run(DP, overrides=[*settings(tmp_path, "bad", 2), "wokers=2"])

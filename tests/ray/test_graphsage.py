@@ -48,7 +48,7 @@ def per_step(run_dir) -> dict[int, dict]:
 
 
 def final_trainer_state(run_dir) -> dict:
-    return CheckpointStore(str(run_dir / "checkpoints")).load()[1]["workload"]["trainer"]
+    return CheckpointStore(str(run_dir / "checkpoints")).load_whole()[1]["workload"]["trainer"]
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +143,14 @@ def test_a_killed_trainer_is_recovered_to_the_model_of_a_run_without_the_kill(re
     summary, events, steps = run.summary, run.events, run.steps
     assert summary["state"] == "finished" and summary["failures_recovered"] == 1, summary
     failure = next(e for e in events if e["event"] == "failure")
-    ckpts = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
-    i = steps.index(failure["step"])
-    assert steps[i + 1] == ckpts[-1]  # the steps after the reload repeat from the checkpoint
+    restored = next(e for e in events if e["event"] == "restored")
+    # The newest checkpoint, the one in flight when the trainer died included (its snapshot
+    # was taken before; the trainer had written its part), one of every 2 steps, from the store
+    # (one node: no other node to keep a replica on).
+    assert restored["source"] == "store" and restored["step"] % 2 == 0 and restored["step"] <= failure["step"], restored
+    assert restored["step"] in [e["step"] for e in events if e["event"] == "checkpoint"]
+    last, went_on = steps.rollback()  # the steps after the reload repeat from the checkpoint
+    assert went_on == restored["step"] and last in (failure["step"] - 1, failure["step"]), (list(steps), failure)
     cov = coverage(tmp_path, "trainerkill")
     assert all(c["min_visits"] == c["max_visits"] == 1 for c in cov)  # position restored with the model
     assert trained == [summary["final_metrics"]["batches"]], (trained, summary["final_metrics"])

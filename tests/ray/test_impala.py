@@ -94,9 +94,11 @@ def test_a_learner_killed_mid_step_is_replaced_and_resumes_from_the_last_checkpo
     failure = next(e for e in events if e["event"] == "failure")
     ckpts_before = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
     resumed = next(e for e in events[events.index(failure):] if e["event"] == "state" and e["state"] == "running")
-    assert resumed["step"] == ckpts_before[-1] == failure["step"] // 5 * 5, (failure, ckpts_before)
-    assert steps[steps.index(failure["step"]) + 1] == ckpts_before[-1]
-    _, saved = CheckpointStore(str(tmp_path / "learnerkill" / "checkpoints")).load(ckpts_before[-1])
+    # the newest committed checkpoint: one of every 5 steps, the one in flight at the kill perhaps not
+    assert resumed["step"] == ckpts_before[-1] and 0 <= failure["step"] - ckpts_before[-1] <= 6, (failure, ckpts_before)
+    last, went_on = steps.rollback()  # in a step call or in the snapshot at the boundary after it
+    assert went_on == ckpts_before[-1] and last in (failure["step"] - 1, failure["step"]), (list(steps), failure)
+    _, saved = CheckpointStore(str(tmp_path / "learnerkill" / "checkpoints")).load_whole(ckpts_before[-1])
     assert saved["workload"]["learner"]["version"] == ckpts_before[-1] * 10  # updates_per_step learner versions per step
 
 
@@ -114,7 +116,7 @@ def test_a_sigkilled_driver_resumes_at_the_last_checkpoint(tmp_path):
     victim.wait(timeout=30)
     last = CheckpointStore(str(run_dir / "checkpoints")).latest()
     assert last is not None and 10 <= last.step <= len(read_jsonl(run_dir / "metrics.jsonl"))
-    _, saved = CheckpointStore(str(run_dir / "checkpoints")).load(last.step)
+    _, saved = CheckpointStore(str(run_dir / "checkpoints")).load_whole(last.step)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

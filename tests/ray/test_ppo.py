@@ -151,17 +151,19 @@ def test_a_killed_learner_is_replaced_and_resumes_from_the_last_checkpoint(ray_l
     failure = next(e for e in events if e["event"] == "failure")
     ckpts_before = [e["step"] for e in events[: events.index(failure)] if e["event"] == "checkpoint"]
     resumed = next(e for e in events[events.index(failure):] if e["event"] == "state" and e["state"] == "running")
-    assert resumed["step"] == ckpts_before[-1] == failure["step"] // 5 * 5, (failure, ckpts_before)
-    # the steps after the reload repeat from the checkpoint on
-    i = steps.index(failure["step"])
-    assert steps[i + 1] == ckpts_before[-1]
+    # the newest committed checkpoint: one of every 5 steps, the one in flight at the kill perhaps not
+    assert resumed["step"] == ckpts_before[-1] and 0 <= failure["step"] - ckpts_before[-1] <= 6, (failure, ckpts_before)
+    # the steps after the reload repeat from the checkpoint on (the kill may land in a step
+    # call or in the snapshot at the boundary after it)
+    last, went_on = steps.rollback()
+    assert went_on == ckpts_before[-1] and last in (failure["step"] - 1, failure["step"]), (list(steps), failure)
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_good_checkpoint(ray_local, tmp_path):
     workload, driver = make(tmp_path, "nan", lr=1e30, anneal=False, driver={"checkpoint_every_steps": 1})
     with pytest.raises(NonFiniteError, match="metric 'loss' is nan at step 1"):
         driver.run()
-    step, state = CheckpointStore(str(tmp_path / "nan" / "checkpoints")).load()
+    step, state = CheckpointStore(str(tmp_path / "nan" / "checkpoints")).load_whole()
     assert step == 0
     assert all(np.isfinite(v.numpy()).all() for v in state["workload"]["learner"]["params"].values())
     assert json.loads((tmp_path / "nan" / "summary.json").read_text())["state"] == "failed"

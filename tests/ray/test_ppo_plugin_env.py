@@ -65,5 +65,5 @@ def test_ppo_trains_the_users_network_on_their_wrapped_env_with_kwargs_stepped_i
     assert rows[-1]["env_steps"] == 3 * 2 * 2 * 16
     # plus_one: a reward of 1 per step and 2 at the end, so a return is the episode's length + 1 >= 3 + 1
     assert rows[-1]["episodes"] > 0 and rows[-1]["return_mean"] >= 4.0, rows[-1]
-    step, state = CheckpointStore(str(tmp_path / "byo" / "checkpoints")).load()
+    step, state = CheckpointStore(str(tmp_path / "byo" / "checkpoints")).load_whole()
     assert step == 3 and {k.split(".")[0] for k in state["workload"]["learner"]["params"]} == {"body"}

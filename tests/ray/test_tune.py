@@ -12,8 +12,8 @@ import time
 import pytest
 
 from raylane.runlog import read_jsonl
-from raylane.tune_run import Search, tune
-from raylane.tune_space import parse_search
+from raylane.tune.run import Search, tune
+from raylane.tune.space import parse_search
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -41,7 +41,7 @@ def test_random_search_of_linreg_reports_every_trial_and_the_best_command(ray_tu
         assert _events(r, "tune_trial")[0]["values"] == {"lr": r["config/lr"], "noise": r["config/noise"]}
     assert files["csv"].read_text().count("\n") == 5
     assert files["png"].stat().st_size > 5_000
-    from raylane.tune_results import command_line
+    from raylane.tune.results import command_line
 
     line = command_line("linreg", s.overrides, None, rows[0])
     assert f"lr={rows[0]['config/lr']!r}" in line and line.startswith("raylane run linreg --set workers=1")
@@ -75,7 +75,7 @@ def test_asha_search_of_ppo_finishes_with_the_best_trial_and_its_command(ray_tun
         plan = _events(r, "plan")[0]["assignments"]
         assert {a["role"] for a in plan} == {"learner", "rollout_worker"}
         assert [a["market"] for a in plan if a["role"] == "learner"] == ["on-demand"]
-    from raylane.tune_results import command_line
+    from raylane.tune.results import command_line
 
     line = command_line("ppo", s.overrides, None, rows[0])
     assert line.startswith("raylane run ppo --set workers=1") and f"lr={rows[0]['config/lr']!r}" in line

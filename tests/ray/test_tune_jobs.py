@@ -9,8 +9,8 @@ import os
 import pytest
 
 from raylane.runlog import read_jsonl
-from raylane.tune_run import Search, tune
-from raylane.tune_space import parse_search
+from raylane.tune.run import Search, tune
+from raylane.tune.space import parse_search
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -31,7 +31,7 @@ JOBS = {
 def test_every_job_tunes_and_reports_what_it_declares(ray_tune, tmp_path, job):
     from raylane import registry
     from raylane.config import load_config
-    from raylane.launch import build_workload
+    from raylane.prepare import build as build_workload
 
     space, extra = JOBS[job]
     prep, rows, _ = tune(Search(job=job, space=parse_search(space), overrides=extra + COMMON, trials=2, concurrency=1,

@@ -9,7 +9,7 @@ import numpy as np
 import psutil
 import pytest
 
-from raylane import budget, launch, registry
+from raylane import budget, prepare, registry
 from raylane.budget import GiB, BudgetError, Estimate, Limit
 from raylane.config import ConfigError
 
@@ -76,7 +76,7 @@ def test_an_extra_zero_is_refused_at_once_without_allocating(job, overrides, key
     spec = registry.get(job)  # the job's module imported: its imports are not the job's allocation
     rss, start = psutil.Process().memory_info().rss, time.monotonic()
     with pytest.raises(ConfigError) as info:
-        launch.build_workload(spec, launch.load_job_config(spec, overrides=overrides))
+        prepare.build(spec, prepare.job_config(spec, overrides=overrides))
     took, grew = time.monotonic() - start, psutil.Process().memory_info().rss - rss
     assert took < 3.0, f"refused after {took:.1f} s"
     assert grew < 200 * 2**20, f"RSS grew by {grew / 2**20:.0f} MiB before the refusal"
@@ -95,7 +95,7 @@ def test_a_graph_file_is_budgeted_from_its_headers(tmp_path, monkeypatch):
     monkeypatch.setenv(budget.ENV_VAR, str(4 * GiB))
     spec = registry.get("graphsage")
     with pytest.raises(ConfigError, match=r"graphsage: the driver would need about .* GiB.*edges: 60,000,000 \(both ways\) x 200 bytes.*Lower graph.path's size\."):
-        launch.build_workload(spec, launch.load_job_config(spec, overrides=[f"graph.path={tmp_path}"]))
+        prepare.build(spec, prepare.job_config(spec, overrides=[f"graph.path={tmp_path}"]))
 
 
 def test_every_registered_job_passes_its_budget_with_defaults_and_far_below_it(monkeypatch):
@@ -111,7 +111,7 @@ def test_every_registered_job_passes_its_budget_with_defaults_and_far_below_it(m
     monkeypatch.setattr(budget, "check", recorded)
     jobs = registry.available()
     for name, spec in jobs.items():
-        launch.build_workload(spec, launch.load_job_config(spec))
+        prepare.build(spec, prepare.job_config(spec))
     assert {j for j, _, _ in seen} >= {"graphsage", "linreg", "ppo", "impala", "ps_ctr", "pipeline_lm", "federated", "xgboost"}
     # Far below: a default needs at most a few hundred MiB anywhere, whatever this machine has free.
     assert max(t for _, _, t in seen) < 0.5 * GiB, sorted(seen, key=lambda s: -s[2])[:3]

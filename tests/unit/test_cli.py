@@ -64,7 +64,7 @@ def test_bad_input_is_refused_with_a_clear_message(args, message):
 
 def test_yaml_config_and_set_override_are_layered(tmp_path):
     from raylane import registry
-    from raylane.launch import load_job_config
+    from raylane.prepare import job_config as load_job_config
 
     path = tmp_path / "linreg.yaml"
     path.write_text("workers: 3\nlr: 0.2\ndriver:\n  max_steps: 7\n")

@@ -15,6 +15,8 @@ from raylane.jobs.linreg import LinRegConfig
 from raylane.jobs.ppo import PPOConfig
 from raylane.workload import DriverConfig
 
+from prepared import config  # tests/prepared.py
+
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 # Nine levels of nine aliases each: ~400 bytes that expand to ~4*10**8 nodes.
@@ -159,10 +161,9 @@ def test_ppo_refuses_non_finite_values_at_config_time(override: str, key: str) -
 
 def test_xgboost_refuses_a_non_finite_param() -> None:
     pytest.importorskip("xgboost")
-    from raylane.jobs.xgboost import XGBoostJobConfig
 
     with pytest.raises(ConfigError, match=r"params\.eta: must be a finite number, got nan"):
-        load_config(XGBoostJobConfig, overrides=["params.eta=.nan"])
+        config("xgboost", "params.eta=.nan")
 
 
 # ----------------------------------------------------------------------------- relations

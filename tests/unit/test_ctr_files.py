@@ -12,7 +12,8 @@ from ctr_tables import write_clicks  # tests/ctr_tables.py
 from raylane import config as cfg
 from raylane.actors.ctr_files import NULL_TOKEN, _bucket, describe_ctr, hash_values, read_ctr_rows
 from raylane.actors.tabular import SourceError
-from raylane.jobs.ps_ctr import PSCTRConfig
+
+from prepared import config, inputs  # tests/prepared.py
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -71,11 +72,11 @@ def test_a_table_that_cannot_be_trained_on_is_refused_naming_the_column(tmp_path
 
 def test_the_job_config_refuses_generated_data_keys_and_a_table_too_small(clicks):
     with pytest.raises(cfg.ConfigError, match=r"fields, dense_features describe generated data; with data.path the table decides"):
-        cfg.load_config(PSCTRConfig, overrides=[f"data.path={clicks}", "data.label=clicked", "fields=3", "dense_features=2"])
+        config("ps_ctr", f"data.path={clicks}", "data.label=clicked", "fields=3", "dense_features=2")
     with pytest.raises(cfg.ConfigError, match=r"has 5000 rows; eval_rows \(5000\) are held out"):
-        cfg.load_config(PSCTRConfig, overrides=[f"data.path={clicks}", "data.label=clicked", "eval_rows=5000"])
+        config("ps_ctr", f"data.path={clicks}", "data.label=clicked", "eval_rows=5000")
     with pytest.raises(cfg.ConfigError, match=r"data.numeric: column 'site0' .* is string, not a number"):
-        cfg.load_config(PSCTRConfig, overrides=[f"data.path={clicks}", "data.label=clicked", "data.numeric=[site0]"])
-    ok = cfg.load_config(PSCTRConfig, overrides=[f"data.path={clicks}", "data.label=clicked", "eval_rows=500"])
-    t = ok.table()
+        config("ps_ctr", f"data.path={clicks}", "data.label=clicked", "data.numeric=[site0]")
+    ok, data = inputs("ps_ctr", f"data.path={clicks}", "data.label=clicked", "eval_rows=500")
+    t = data.table
     assert ok.shape(t).fields == 4 and ok.shape(t).ids_per_field == 1 and ok.shape(t).dense_features == 3

@@ -17,8 +17,8 @@ from raylane.actors.ctr_files import describe_ctr, read_ctr_rows
 from raylane.actors.fed_data import FedDataConfig, describe_table, load
 from raylane.actors.tabular import SourceError, describe, read_rows
 from raylane.jobs.federated import FederatedConfig
-from raylane.jobs.ps_ctr import PSCTRConfig
-from raylane.jobs.xgboost import XGBoostJobConfig
+
+from prepared import config  # tests/prepared.py
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -50,7 +50,7 @@ def test_ctr_infinite_numeric_cells_are_refused_before_ray_starts_naming_column_
     assert "data.numeric" in said and "column 'n1' holds 3 (first at rows 5, 40, 2500)" in said
     assert "replace those cells with a finite value or leave them empty" in said
     with pytest.raises(cfg.ConfigError, match=r"column 'n1' holds 3"):  # the job's config check, before any actor
-        cfg.load_config(PSCTRConfig, overrides=[f"data.path={folder}", "data.label=clicked", "eval_rows=500"])
+        config("ps_ctr", f"data.path={folder}", "data.label=clicked", "eval_rows=500")
 
 
 def test_ctr_missing_numeric_cells_still_read_as_0_and_are_counted(tmp_path):
@@ -65,7 +65,7 @@ def test_ctr_missing_numeric_cells_still_read_as_0_and_are_counted(tmp_path):
 
 
 def fed_conf(path, *overrides: str) -> FederatedConfig:
-    return cfg.load_config(FederatedConfig, overrides=[f"data.path={path}", "data.label=digit", "data.client_column=site", *overrides])
+    return config("federated", f"data.path={path}", "data.label=digit", "data.client_column=site", *overrides)
 
 
 def digits_with(tmp_path, change) -> str:
@@ -132,7 +132,7 @@ def test_fed_labels_that_are_0_to_k_minus_1_still_load(tmp_path):
 
 def xgb_refused(*overrides: str) -> str:
     with pytest.raises(cfg.ConfigError) as info:
-        cfg.load_config(XGBoostJobConfig, overrides=list(overrides))
+        config("xgboost", *overrides)
     return one_line(info.value)
 
 
@@ -149,7 +149,7 @@ def test_xgboost_a_constant_label_is_not_classified(tmp_path, value, params):
 def test_xgboost_a_constant_label_may_still_be_regressed(tmp_path):
     rng = np.random.default_rng(0)
     pq.write_table(pa.table({"a": rng.normal(size=200), "y": np.zeros(200)}), tmp_path / "t.parquet")
-    c = cfg.load_config(XGBoostJobConfig, overrides=[f"data.source={tmp_path / 't.parquet'}", "data.label=y", "params.objective=reg:squarederror"])
+    c = config("xgboost", f"data.source={tmp_path / 't.parquet'}", "data.label=y", "params.objective=reg:squarederror")
     assert c.params["objective"] == "reg:squarederror"
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from raylane import registry
 from raylane.cluster import MARKET_LABEL, MARKETS, SPEED_LABEL, _label_speed
-from raylane.launch import load_job_config
+from raylane.prepare import job_config as load_job_config
 from raylane.security import is_loopback
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -16,13 +16,14 @@ import pytest
 from raylane.cluster import ClusterView, NodeInfo
 from raylane.driver import Driver, DriverConfig, DriverError
 from raylane.placement import RoleSpec
+from raylane.workload import BaseWorkload
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 VIEW = ClusterView((NodeInfo("head", cpus=4, available={"CPU": 4.0}),))
 
 
-class Heavy:
+class Heavy(BaseWorkload):
     """A workload without actors whose state is ``mib`` MiB; ``fill`` (a callable) runs before step ``fill_at``."""
 
     name = "heavy"
@@ -53,9 +54,6 @@ class Heavy:
 
     def done(self, step, metrics):
         return False
-
-    def pools(self):
-        return {}
 
     def recover(self, ctx, error):
         pass

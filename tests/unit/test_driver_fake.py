@@ -13,6 +13,7 @@ from raylane.checkpoint import CheckpointStore
 from raylane.cluster import ClusterView, NodeInfo
 from raylane.driver import Driver, DriverConfig, DriverError, NonFiniteError, State
 from raylane.placement import RoleSpec
+from raylane.workload import BaseWorkload
 from raylane.group import PoolError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 VIEW = ClusterView((NodeInfo("head", cpus=4, available={"CPU": 4.0}),))
 
 
-class Counter:
+class Counter(BaseWorkload):
     """x <- x * 0.5 + step, so the final value depends on every step being applied once."""
 
     name = "counter"
@@ -63,9 +64,6 @@ class Counter:
 
     def done(self, step, metrics):
         return self.target is not None and metrics["loss"] <= self.target
-
-    def pools(self):
-        return {}
 
     def recover(self, ctx, error):
         self.recoveries += 1
@@ -233,13 +231,19 @@ class FakePool:
 
     def __init__(self, role, nodes):
         self.role, self._nodes, self.target, self.size = role, nodes, 1, 1
-        self.evacuated = []
+        self.evacuated, self.start_timeout_s = [], 1.0
 
     def status(self):
         return type("S", (), {"nodes": self._nodes, "evictions": ()})()
 
     def evacuate(self, node_id, reason):
         self.evacuated.append((node_id, reason))
+
+    def wait_ready(self, timeout_s):
+        pass
+
+    def shutdown(self):
+        pass
 
 
 class ScriptedEvents:
@@ -262,8 +266,12 @@ def test_preemption_notice_for_a_stateful_node_checkpoints_at_once(tmp_path):
             self.stateful = FakePool(RoleSpec("thing", {"CPU": 1.0}, count=1, stateful=True), {"od-node": 1})
             self.stateless = FakePool(RoleSpec("worker", {"CPU": 1.0}, count=1), {"spot-node": 1})
 
-        def pools(self):
-            return {"thing": self.stateful, "worker": self.stateless}
+        def roles(self):
+            return [self.stateful.role, self.stateless.role]
+
+        def setup(self, ctx):  # pools the test built itself, handed to the driver's registry
+            ctx.groups.adopt(self.stateful)
+            ctx.groups.adopt(self.stateless)
 
     from raylane.preemption import NodeLost
 

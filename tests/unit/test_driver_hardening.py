@@ -168,8 +168,11 @@ def test_the_driver_measures_steps_wall_time_and_the_workloads_own_progress(tmp_
         def progress_of(self, step, metrics):
             return step * 100, 10_000, "samples"
 
+    from raylane.run_state import State, Stepped
+    from raylane.watchers import ProgressBar
+
     d, _ = drive(tmp_path, Budgeted(), max_steps=4, max_wall_s=3600)
-    units = {unit: (done, total) for done, total, unit in d._measures(d._started_at, {"loss": 0.1})}
+    units = {unit: (done, total) for done, total, unit in ProgressBar.measures(d, Stepped(State.FINISHED, 4, {"loss": 0.1}))}
     assert units["steps"] == (4.0, 4.0) and units["samples"] == (400.0, 10_000.0)
     assert units["s"][1] == 3600 and units["s"][0] >= 0
 

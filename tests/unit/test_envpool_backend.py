@@ -9,9 +9,11 @@ import pytest
 
 from raylane.actors.envs import EnvBuildError, EnvRecipe, make_vector_env
 from raylane.actors.rollout_worker import RolloutConfig, Sampler
-from raylane.config import ConfigError, load_config
-from raylane.jobs.ppo import PPOConfig, PPOWorkload
+from raylane.config import ConfigError
+from raylane.jobs.ppo import PPOWorkload
 from raylane.jobs.rl_env import envpool_spec
+
+from prepared import inputs  # tests/prepared.py
 
 pytest.importorskip("envpool")  # in the test extra; a bare install need not have it
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -71,4 +73,4 @@ def test_a_sampler_on_envpool_gives_the_batches_of_the_other_backends():
 ])
 def test_what_envpool_cannot_do_is_refused_before_ray_starts(overrides, message):
     with pytest.raises((ConfigError, EnvBuildError), match=message):
-        PPOWorkload(load_config(PPOConfig, overrides=overrides))
+        PPOWorkload(*inputs("ppo", *overrides))

@@ -13,7 +13,8 @@ from raylane import config as cfg
 from raylane.actors.fed_client import ClientConfig, ClientCore, make_model
 from raylane.actors.fed_data import FedSource, load_digits_split
 from raylane.actors.fed_math import aggregate, drops_out, is_straggler, partition, proximal_term, sample_clients
-from raylane.jobs.federated import FederatedConfig
+
+from prepared import config  # tests/prepared.py
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -88,7 +89,7 @@ def test_aggregation_is_the_row_weighted_average():
 ])
 def test_bad_federated_configs_are_refused_before_ray_starts(overrides, message):
     with pytest.raises(cfg.ConfigError, match=message):
-        cfg.load_config(FederatedConfig, overrides=overrides)
+        config("federated", *overrides)
 
 
 def _rounds(seed: int, algorithm: str, rounds: int = 30) -> float:

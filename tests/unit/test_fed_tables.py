@@ -13,13 +13,15 @@ from raylane import config as cfg
 from raylane.actors.fed_data import FedDataConfig, describe_table, hold_out, load
 from raylane.jobs.federated import FederatedConfig
 
+from prepared import config  # tests/prepared.py
+
 from fed_tables import write_clients  # tests/fed_tables.py
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 def conf(path, *overrides: str) -> FederatedConfig:
-    return cfg.load_config(FederatedConfig, overrides=[f"data.path={path}", "data.label=digit", "data.client_column=site", *overrides])
+    return config("federated", f"data.path={path}", "data.label=digit", "data.client_column=site", *overrides)
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])

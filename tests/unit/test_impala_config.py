@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from raylane import config as cfg
-from raylane.jobs.impala import ImpalaConfig
 from raylane.registry import available
+
+from prepared import config  # tests/prepared.py
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -24,8 +25,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 ])
 def test_bad_values_are_refused_naming_the_value_and_what_is_valid(override, words):
     with pytest.raises((cfg.ConfigError, ValueError)) as err:
-        c = cfg.load_config(ImpalaConfig, overrides=[override])
-        c.validate()
+        config("impala", override)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
 

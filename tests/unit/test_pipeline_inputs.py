@@ -10,11 +10,13 @@ from raylane import config as cfg
 from raylane.jobs.pipeline_inputs import TokenData, load_tokens
 from raylane.jobs.pipeline_lm import PipelineLMConfig
 
+from prepared import config  # tests/prepared.py
+
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 def load(*overrides: str) -> PipelineLMConfig:
-    return cfg.load_config(PipelineLMConfig, overrides=["model.seq_len=8", "stages=2", *overrides])
+    return config("pipeline_lm", "model.seq_len=8", "stages=2", *overrides)
 
 
 def test_npy_ids_and_utf8_text_by_bytes(tmp_path):

@@ -13,6 +13,8 @@ from raylane.actors import corpus
 from raylane.cli import app
 from raylane.jobs.pipeline_lm import PipelineLMConfig, fit_schedule, make_layout
 
+from prepared import config  # tests/prepared.py
+
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
@@ -102,9 +104,9 @@ def test_layout_weighs_layers_by_measured_cost():
 )
 def test_bad_configs_are_refused_naming_the_value(overrides, message):
     if overrides == ["stages=5"]:
-        overrides = overrides + ["model.n_blocks=2"]
+        overrides = overrides + ["model.n_blocks=2", "micro_batches=8"]  # a schedule that holds: the layers are what is refused
     with pytest.raises(cfg.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        cfg.load_config(PipelineLMConfig, overrides=overrides)
+        config("pipeline_lm", *overrides)
 
 
 def test_cli_refuses_bad_input_before_ray_starts_and_documents_every_key():

@@ -1,12 +1,11 @@
-"""raylane.policies: FailurePolicy, group_errors, CheckpointPolicy, ScalingPolicy (pure, no Ray)."""
+"""raylane.policies (FailurePolicy, group_errors, ScalingPolicy) and raylane.checkpoint_cadence's CheckpointPolicy (pure, no Ray)."""
 
 from __future__ import annotations
 
 import pytest
 
+from raylane.checkpoint_cadence import CheckpointPolicy, CheckpointStatus
 from raylane.policies import (
-    CheckpointPolicy,
-    CheckpointStatus,
     Decision,
     Failure,
     FailurePolicy,

@@ -16,6 +16,8 @@ from raylane.config import ConfigError, load_config
 from raylane.jobs.ppo import PPOConfig
 from raylane.jobs.rl_env import resolve
 
+from prepared import config  # tests/prepared.py
+
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
@@ -26,7 +28,7 @@ def user(plugin):
 
 
 def conf(user: str, *overrides: str) -> PPOConfig:
-    return load_config(PPOConfig, overrides=[f"env_id={user}:RaylaneTest/Corridor-v0", *overrides])
+    return config("ppo", f"env_id={user}:RaylaneTest/Corridor-v0", *overrides)
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))

@@ -15,6 +15,8 @@ from raylane.checkpoint import CheckpointStore
 from raylane.jobs.ppo import PPOConfig
 from raylane.jobs.rl_env import check_env
 
+from prepared import config  # tests/prepared.py
+
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
@@ -118,7 +120,7 @@ def test_unknown_env_id_suggests_close_matches():
     with pytest.raises(ValueError, match=r"env_id 'CartPol-v1' is not a registered gymnasium environment\. Did you mean 'CartPole-v1'"):
         check_env("CartPol-v1")
     with pytest.raises(cfg.ConfigError, match="env_id 'Nope-v0'"):
-        cfg.load_config(PPOConfig, overrides=["env_id=Nope-v0"])
+        config("ppo", "env_id=Nope-v0")
 
 
 class DictObsEnv(gym.Env):

@@ -9,7 +9,7 @@ import pytest
 from raylane import config as cfg
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.linreg import LinRegConfig
-from raylane.launch import load_job_config
+from raylane.prepare import job_config as load_job_config
 from raylane.registry import get
 from raylane.runpaths import RunPathError, check_run_name, check_writable_dir
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from raylane import registry, submission
 from raylane.cli import app
-from raylane.launch import load_job_config
+from raylane.prepare import job_config as load_job_config
 from raylane.submission import SubmissionError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -22,7 +22,7 @@ PPO_KEYS = [row[0] for row in cfg.describe(registry.get("ppo").config_cls)]
 
 def jobs_output(monkeypatch, width: int, *args: str) -> list[str]:
     # the CLI's console reads COLUMNS once, at import: give it the width under test instead
-    monkeypatch.setattr(cli, "console", Console(width=width, force_terminal=False, color_system=None))
+    monkeypatch.setattr(cli.commands, "console", Console(width=width, force_terminal=False, color_system=None))
     result = CliRunner().invoke(cli.app, ["jobs", *args])
     assert result.exit_code == 0, result.output
     return result.stdout.splitlines()

@@ -5,16 +5,15 @@ trial's reporter handing Tune only the steps that carry the metric (no Ray)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from raylane import config as cfg
-from raylane.tune_run import Search, prepare
-from raylane.tune_space import SearchSpaceError, check_space, flatten, parse_search, trial_config
-from raylane.tune_trial import TuneReporter
+from raylane.tune.run import Search, prepare
+from raylane.tune.space import SearchSpaceError, check_space, flatten, parse_search, trial_config
+from raylane.tune.trial import TuneReport
 from raylane.workload import DriverError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -40,7 +39,7 @@ def test_keys_under_a_free_form_mapping_are_searchable_and_typed():
 def test_a_trial_config_is_the_file_then_the_sampled_values_then_set(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("lr: 0.05\nparams: {eta: 0.9, max_depth: 3}\n")
-    conf = trial_config(Job, {"lr": 0.2, "params.eta": 0.25}, str(f), ["params.gamma=1.5"])
+    conf = trial_config(SimpleNamespace(config_cls=Job), {"lr": 0.2, "params.eta": 0.25}, str(f), ["params.gamma=1.5"])
     assert conf.lr == 0.2  # the sampled value, not the file's
     assert conf.params == {"eta": 0.25, "max_depth": 3, "gamma": 1.5}  # a mapping merges key by key
     assert flatten({"a": {"b": 1, "c": {}}, "d": 2}) == {"a.b": 1, "a.c": {}, "d": 2}
@@ -71,7 +70,7 @@ def test_the_schedulers_choices_are_said():
 
 def test_declared_metrics_include_each_jobs_main_metric():
     from raylane import registry
-    from raylane.launch import build_workload
+    from raylane.prepare import build as build_workload
 
     for job in ("linreg", "ppo", "impala", "graphsage", "pipeline_lm", "ps_ctr", "federated", "xgboost"):
         spec = registry.get(job)
@@ -84,33 +83,20 @@ def test_declared_metrics_include_each_jobs_main_metric():
             w.close()
 
 
-def _reporter(declared: bool, max_steps: int = 10) -> TuneReporter:
-    r = TuneReporter("t0", "test_acc", "graphsage")
-    r.declared = declared
-    r.driver = SimpleNamespace(config=SimpleNamespace(max_steps=max_steps), state=SimpleNamespace(value="running"))
-    return r
-
-
 def test_steps_without_the_metric_are_not_handed_to_tune_when_it_is_declared():
-    r = _reporter(declared=True)
-    r.stepped(1, {"loss": 0.9})  # no evaluation yet: returns at once, nothing for Tune
-    r.stepped(2, {"loss": 0.8, "test_acc": float("nan")})  # not a value either
-    assert r.rows.empty()
-    handed = threading.Thread(target=r.stepped, args=(3, {"loss": 0.7, "test_acc": 0.6}), daemon=True)
-    handed.start()
-    kind, row = r.rows.get(timeout=10)
-    assert (kind, row["step"], row["test_acc"]) == ("step", 3, 0.6)
-    r.go.release()
-    handed.join(10)
-    assert not handed.is_alive() and r.last_row["step"] == 3
-    r.stepped(10, {"loss": 0.5})  # the last step, without the metric: the final result stays step 3's
+    r = TuneReport("t0", "test_acc", "graphsage", declared=True)
+    assert r.row(1, {"loss": 0.9}) is None  # no evaluation yet: nothing for Tune
+    assert r.row(2, {"loss": 0.8, "test_acc": float("nan")}) is None  # not a value either
+    row = r.row(3, {"loss": 0.7, "test_acc": 0.6})
+    assert (row["step"], row["test_acc"]) == (3, 0.6) and r.last_row["step"] == 3
+    assert r.row(10, {"loss": 0.5}) is None  # the last step, without the metric: the final result stays step 3's
     assert r.last_row["step"] == 3 and r.final_row["step"] == 10
 
 
 def test_an_undeclared_metric_missing_at_the_first_step_stops_the_trial_naming_it():
-    r = _reporter(declared=False)
+    r = TuneReport("t0", "test_acc", "graphsage", declared=False)
     with pytest.raises(DriverError, match=r"--metric 'test_acc': job 'graphsage' did not report it at step 1; it reports \['loss', 'step'\]"):
-        r.stepped(1, {"loss": 0.9})
+        r.row(1, {"loss": 0.9})
 
 
 def _checkpoint(store, step: int) -> str:
@@ -122,7 +108,7 @@ def _tune_copy(tmp_path, store, step: int, trial: str) -> str:
     import json
     import shutil
 
-    from raylane.tune_trial import ORIGIN
+    from raylane.tune.trial import ORIGIN
 
     dst = tmp_path / f"tune-{trial}-{step}"
     shutil.copytree(_checkpoint(store, step), dst)
@@ -133,7 +119,7 @@ def _tune_copy(tmp_path, store, step: int, trial: str) -> str:
 def _restoring(tmp_path):
     """A RaylaneTrial as Tune's restore finds it, its own store holding steps 5 and 10 (no Ray needed)."""
     from raylane.checkpoint import CheckpointStore
-    from raylane.tune_trial import RaylaneTrial
+    from raylane.tune.trial import RaylaneTrial
 
     trial = object.__new__(RaylaneTrial)
     trial._trial_info = SimpleNamespace(trial_id="t1")
@@ -191,7 +177,7 @@ def test_an_exploited_trial_lost_before_its_own_checkpoint_is_restored_not_explo
 
 def test_a_run_that_never_reported_the_metric_says_so_in_its_events(tmp_path, capsys):
     from raylane.runlog import read_jsonl
-    from raylane.tune_trial import RaylaneTrial
+    from raylane.tune.trial import RaylaneTrial
 
     trial = object.__new__(RaylaneTrial)
     trial._trial_info = SimpleNamespace(trial_id="t1")

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from raylane.runlog import RunLog
-from raylane.tune_results import command_line, rows, trial_row, write
-from raylane.tune_run import Search, check_concurrency, metric_mode, prepare, trial_demand
-from raylane.tune_space import SearchSpaceError, nest, parse_search
-from raylane.tune_trial import scalars
+from raylane.tune.results import command_line, rows, trial_row, write
+from raylane.tune.run import Search, check_concurrency, metric_mode, prepare, trial_demand
+from raylane.tune.space import SearchSpaceError, nest, parse_search
+from raylane.tune.trial import scalars
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -121,7 +121,7 @@ def test_rows_come_from_the_trials_run_folders_best_first(tmp_path):
     # a narrow terminal folds the table's cells; it never cuts a trial id or a value short
     from rich.console import Console
 
-    from raylane.tune_results import table as render
+    from raylane.tune.results import table as render
 
     narrow = Console(width=60, record=True, file=io.StringIO())
     narrow.print(render(table, "loss"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raylane.jobs.ppo import PPOConfig
-from raylane.tune_space import SearchSpaceError, check_space, parse_search, parse_spec, space_from_mapping, trial_count
+from raylane.tune.space import SearchSpaceError, check_space, parse_search, parse_spec, space_from_mapping, trial_count
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -18,11 +18,13 @@ from raylane.cli import app
 from raylane.jobs.xgboost import XGBoostJobConfig, prepare
 from raylane.jobs.xgboost_params import MAX_CLASSES, class_count, infer_objective, known_params
 
+from prepared import config  # tests/prepared.py
+
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 def load(*overrides: str) -> XGBoostJobConfig:
-    return cfg.load_config(XGBoostJobConfig, overrides=list(overrides))
+    return config("xgboost", *overrides)
 
 
 def refused(*overrides: str) -> str:

@@ -17,6 +17,8 @@ from raylane.actors.tabular import describe, eval_mask, read_rows, synthetic_row
 from raylane.cli import app
 from raylane.jobs.xgboost import OBJECTIVES, XGBoostJobConfig, prepare, speed_shards
 
+from prepared import config  # tests/prepared.py
+
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
@@ -43,7 +45,7 @@ def parquet_dir(tmp_path):
 
 
 def load(**overrides) -> XGBoostJobConfig:
-    return cfg.load_config(XGBoostJobConfig, overrides=[f"{k}={v}" for k, v in overrides.items()])
+    return config("xgboost", *(f"{k}={v}" for k, v in overrides.items()))
 
 
 def refused(**overrides) -> str:
@@ -215,10 +217,9 @@ def test_cli_refuses_bad_input_before_ray_starts_and_documents_every_key(tmp_pat
 ])
 def test_a_driver_setting_that_xgboost_derives_is_refused_not_overwritten(override, says):
     from raylane import config as cfg
-    from raylane.jobs.xgboost import XGBoostJobConfig
 
     base = ["data.source=synthetic:classification", "data.rows=2000", "num_boost_round=50", "checkpoint_every=10"]
     with pytest.raises(cfg.ConfigError, match=says):
-        cfg.load_config(XGBoostJobConfig, overrides=[*base, override])
-    conf = cfg.load_config(XGBoostJobConfig, overrides=base)
+        config("xgboost", *base, override)
+    conf = config("xgboost", *base)
     assert conf.driver.max_steps == 5 and conf.driver.checkpoint_every_steps == 1

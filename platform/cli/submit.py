@@ -14,13 +14,10 @@ from typing import List, Optional
 
 import typer
 
+from raylane.cli.app import fail
+
 ADDRESS = ("The cluster's Jobs API (dashboard) URL, e.g. http://127.0.0.1:8265. Default: $RAY_API_SERVER_ADDRESS, "
            "else the cluster `raylane dev-cluster up` started, else http://127.0.0.1:8265. $RAY_ADDRESS is not used.")
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 def _warn(message: str) -> None:
@@ -34,7 +31,7 @@ def _client(address: Optional[str]):
     try:
         return JobsClient(address, warn=_warn)
     except SubmissionError as exc:
-        _fail(str(exc), exc.code)
+        fail(str(exc), exc.code)
 
 
 def _guard(fn):
@@ -44,7 +41,7 @@ def _guard(fn):
     try:
         return fn()
     except SubmissionError as exc:
-        _fail(str(exc), exc.code)
+        fail(str(exc), exc.code)
 
 
 def _echo_raw(text: str) -> None:
@@ -89,15 +86,15 @@ def submit(
     not used (a warning says so when it names somewhere else), and the job joins the cluster it runs on."""
     from raylane import config as cfg
     from raylane import registry
-    from raylane.launch import load_job_config
+    from raylane.prepare import job_config
     from raylane.submission import config_overrides
 
     try:
         spec = registry.get(job)
-        load_job_config(spec, config_file=config, overrides=set_, run_name=run_name)  # refuse a bad config here, not on the cluster
+        job_config(spec, config_file=config, overrides=set_, run_name=run_name)  # refuse a bad config here, not on the cluster
         overrides = config_overrides(config, set_)
     except (registry.UnknownJobError, cfg.ConfigError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     client = _client(address)
     # A registered job runs as installed on the cluster; a job of the user's own file or
     # module is shipped with it (raylane.submission.shipped).

@@ -2,7 +2,7 @@
 
 Ray Tune is the engine: its searcher samples the space, its schedulers (ASHA, PBT) stop
 and exploit trials, its failure handling restarts a trial whose process was lost from the
-trial's newest checkpoint. Each trial is a whole raylane run (:mod:`raylane.tune_trial`).
+trial's newest checkpoint. Each trial is a whole raylane run (:mod:`raylane.tune.trial`).
 
 :func:`prepare` checks everything that can be checked before Ray starts: the job, the
 fixed values, the search space against the job's config, the metric against what the
@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from raylane import config as cfg
 from raylane.errors import short_error
-from raylane.tune_space import SearchSpaceError, Spec, check_space, flatten, trial_config, trial_count
+from raylane.tune.space import SearchSpaceError, Spec, check_space, flatten, trial_config, trial_count
 
 SCHEDULERS = ("none", "asha", "pbt")
 _MAX = re.compile(r"(acc|auc|return|reward|score|f1|precision|recall|per_s|throughput)", re.I)
@@ -104,8 +104,8 @@ def metric_mode(metric: str) -> str | None:
 
 def prepare(search: Search) -> Prepared:
     """Check the search before Ray starts; ``ConfigError`` / ``SearchSpaceError`` name what is wrong."""
+    from raylane import prepare as run_prep
     from raylane import registry
-    from raylane.launch import build_workload
 
     s = search
     if s.scheduler not in SCHEDULERS:
@@ -121,7 +121,7 @@ def prepare(search: Search) -> Prepared:
     if not (isinstance(s.trial_cpus, (int, float)) and 0 < s.trial_cpus <= 64):
         raise SearchSpaceError(f"--trial-cpus={s.trial_cpus!r}: must be a number in (0, 64]")
     spec = registry.get(s.job)
-    base = cfg.load_config(spec.config_cls, yaml_path=s.config_file, overrides=s.overrides)
+    base = run_prep.job_config(spec, config_file=s.config_file, overrides=s.overrides)
     fixed = {cfg.parse_override(o)[0] for o in s.overrides}
     check_space(spec.config_cls, s.space, base=fixed)
     if not hasattr(base, "driver"):
@@ -130,8 +130,8 @@ def prepare(search: Search) -> Prepared:
     notes = [f"{key}: searched; the value {filed[key]!r} in {s.config_file} is not used" for key in s.space if key in filed]
     # The job's own checks (its input, a free-form mapping's names such as xgboost's params)
     # run once, on a trial's config with every searched key at its first value.
-    probe = trial_config(spec.config_cls, {k: v.values[0] for k, v in s.space.items()}, s.config_file, s.overrides)
-    workload = build_workload(spec, probe)  # reads the job's input: a bad dataset or env fails here, once
+    probe = trial_config(spec, {k: v.values[0] for k, v in s.space.items()}, s.config_file, s.overrides)
+    workload = run_prep.build(spec, probe)  # reads the job's input: a bad dataset or env fails here, once
     try:
         metric = s.metric or workload.main_metric
         declared = tuple(getattr(workload, "metrics", ()) or ())
@@ -228,7 +228,7 @@ def search_folder(search: Search) -> Path:
 def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) -> Any:
     """Run the search on the Ray this process is connected to, else on ``address`` (None: an
     embedded Ray of this machine). Returns Tune's ``ResultGrid``; the trials' rows are
-    :func:`raylane.tune_results.rows` of it."""
+    :func:`raylane.tune.results.rows` of it."""
     import ray
     from ray import tune
     from ray.tune import schedulers
@@ -236,7 +236,7 @@ def run_search(prep: Prepared, *, address: str | None = None, say: Any = print) 
 
     from raylane import registry, session
     from raylane.cluster import MARKET_LABEL
-    from raylane.tune_trial import RaylaneTrial, TrialPlan
+    from raylane.tune.trial import RaylaneTrial, TrialPlan
 
     s = prep.search
     folder = search_folder(s)
@@ -321,8 +321,8 @@ class _Tracker:
 def tune(search: Search, *, address: str | None = None, say: Any = print) -> tuple[Prepared, list[dict], dict[str, Path]]:
     """Check, run and tabulate a search: (the checked search, its rows best first, the files
     written: ``trials.csv``, ``trials.json``, the plot). Each row is
-    :func:`raylane.tune_results.trial_row`; its ``state`` is ``error`` for a trial Tune gave up on."""
-    from raylane import tune_results
+    :func:`raylane.tune.results.trial_row`; its ``state`` is ``error`` for a trial Tune gave up on."""
+    from raylane.tune import results as tune_results
 
     prep = prepare(search)
     grid = run_search(prep, address=address, say=say)

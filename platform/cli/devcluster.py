@@ -4,15 +4,8 @@
 on-demand worker nodes, token-protected, so placement, spot preference and
 ``raylane submit`` can be tried end to end before a cloud is involved; ``down`` stops
 exactly what ``up`` started, and nothing else; ``status`` shows the record and which
-nodes Ray lists as alive. This module is the command line only:
-
-- :mod:`raylane.devcluster_state`: the record in ``<dir>/state.json`` (default
-  ``~/.raylane/dev-cluster``, or ``RAYLANE_DEV_CLUSTER_DIR``) that ``raylane submit``
-  reads to find the cluster, and ``<dir>/connection.env`` for Ray's own tools.
-- :mod:`raylane.devcluster_nodes`: starting and stopping the ``ray start`` processes,
-  what listens where, and how ``down`` finds exactly its own processes.
-
-Both are re-exported here (``devcluster.up``, ``devcluster.DevClusterState``, ...).
+nodes Ray lists as alive. This module is the command line only; the cluster itself is
+:mod:`raylane.devcluster`.
 """
 
 from __future__ import annotations
@@ -24,16 +17,10 @@ from typing import Optional
 import typer
 
 from raylane import security
+from raylane.cli.app import fail
 from raylane.cluster import MARKET_LABEL, SPEED_LABEL
-from raylane.devcluster_nodes import MAX_NODES, down, live_nodes, processes, up
-from raylane.devcluster_state import (CONNECTION_FILE, DIR_ENV, MARKER_ENV, DevClusterError, DevClusterState, NodeRecord,
-                                      connection_env, default_dir, submit_command, write_connection_file)
-
-__all__ = [
-    "CONNECTION_FILE", "DIR_ENV", "MARKER_ENV", "MAX_NODES", "DevClusterError", "DevClusterState", "NodeRecord",
-    "connection_env", "default_dir", "down", "live_nodes", "processes", "register", "submit_command", "up",
-    "write_connection_file",
-]
+from raylane.devcluster.nodes import down, live_nodes, processes, up
+from raylane.devcluster.state import CONNECTION_FILE, DIR_ENV, DevClusterError, DevClusterState, default_dir, submit_command
 
 dev_app = typer.Typer(help="A local multi-node Ray cluster (real `ray start` processes) to try raylane submit on.", no_args_is_help=True)
 DIR_HELP = "Where the dev cluster's record and logs live."
@@ -41,11 +28,6 @@ DIR_HELP = "Where the dev cluster's record and logs live."
 
 def _dir_option() -> Path:
     return typer.Option(None, "--dir", envvar=DIR_ENV, help=DIR_HELP + " Default: ~/.raylane/dev-cluster.", show_default=False)
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 @dev_app.command("up")
@@ -71,7 +53,7 @@ def up_cmd(
                    dashboard_host=dashboard_host, object_store_mb=object_store_mb, state_dir=state_dir, timeout_s=timeout,
                    log=typer.echo, warn=lambda m: typer.echo(f"warning: {m}", err=True))
     except (DevClusterError, security.SecurityError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     state_dir = state_dir or default_dir()
     _print_state(state, state_dir)
     auth = f"{security.AUTH_MODE_ENV}={state.auth_mode}"
@@ -117,7 +99,7 @@ def down_cmd(
     try:
         down(state_dir, grace_s=grace, keep_logs=keep_logs, log=typer.echo)
     except DevClusterError as exc:
-        _fail(str(exc), code=1)
+        fail(str(exc), code=1)
 
 
 @dev_app.command("status")
@@ -127,9 +109,9 @@ def status_cmd(state_dir: Optional[Path] = _dir_option()) -> None:
     try:
         state = DevClusterState.load(state_dir)
     except DevClusterError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if state is None:
-        _fail(f"no dev cluster recorded in {state_dir}; `raylane dev-cluster up` starts one", code=1)
+        fail(f"no dev cluster recorded in {state_dir}; `raylane dev-cluster up` starts one", code=1)
     alive = len(processes(state.cluster_id))
     _print_state(state, state_dir)
     if (state_dir / CONNECTION_FILE).exists():

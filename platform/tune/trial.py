@@ -6,8 +6,8 @@ actors are planned by raylane's placement (stateful roles on on-demand capacity,
 stateless ones on spot, by node speed), its pools replace actors lost with a spot node,
 and its stateful actors are recovered from its checkpoints, all inside the trial.
 
-The driver tells :class:`TuneReporter` of every step and checkpoint: metrics go to Tune
-every step, and a raylane checkpoint written since the last step is handed to Tune with
+The trial steps the driver itself: metrics go to Tune at every step that has a value of
+the metric, and a raylane checkpoint written since the last such step is handed to Tune with
 them, so Tune holds the trial's newest checkpoint. When Tune restarts the trial (its driver's
 process or node was lost, or population-based training exploits another trial) the
 trial's store adopts the checkpoint Tune hands back and the run resumes from it with the
@@ -19,18 +19,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ray.tune import Trainable
 
-from raylane.tune_space import trial_config
+from raylane.tune.space import trial_config
 
 ORIGIN = "raylane_origin.json"  # beside a checkpoint handed to Tune: which trial and step it is
-STOP_WAIT_S = 120.0  # how long a stopped trial waits for its run's last checkpoint and summary
 
 
 @dataclass(frozen=True)
@@ -61,51 +58,39 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class TuneReporter:
-    """The driver's observer in a trial: hands each step's metrics to the trial's ``step``
-    and waits there until Tune asks for the next, so that Tune's decisions (stop, exploit)
-    land at the step boundary they were made for."""
+class TuneReport:
+    """Which of a run's steps Ray Tune hears of: those with a finite value of the metric,
+    except the run's last step, whose row Tune gets once the run has ended (its summary and
+    final checkpoint written)."""
 
-    def __init__(self, trial_id: str, metric: str, job: str):
+    def __init__(self, trial_id: str, metric: str, job: str, declared: bool):
         self.trial_id, self.metric, self.job = trial_id, metric, job
-        self.rows: queue.Queue = queue.Queue()
-        self.go = threading.Semaphore(0)
-        self.latest: tuple[int, str] | None = None  # the newest checkpoint written: (step, path in the store)
-        self.fresh = False  # a checkpoint was written since the last row handed over
-        self.driver: Any = None
-        self.stopping = False
-        self.declared = False  # the job declares its metrics: steps without the metric are not handed to Tune
-        self.reported = False  # a step with the metric has been handed over
+        self.declared = declared  # the job declares its metrics: steps without the metric are not handed to Tune
+        self.last_row: dict | None = None  # the newest step with a value of the metric
+        self.final_row: dict = {}  # the newest step
 
-    def checkpointed(self, step: int, path: str) -> None:
-        self.latest, self.fresh = (step, path), True
-
-    def stepped(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def row(self, step: int, metrics: Mapping[str, Any]) -> dict | None:
+        """The row for Tune of step ``step``, or None when it has no value of the metric (an
+        evaluation only at an epoch's end; no episode ended yet). An undeclared metric missing
+        from the first step is refused, naming what the job does report."""
         from raylane.workload import DriverError
 
         row = {**scalars(metrics), "step": step}
         self.final_row = row
         value = row.get(self.metric)
-        last = step >= self.driver.config.max_steps or self.driver.state.value == "finished"
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
-            # No value at this step (evaluated at an epoch's end only; no episode ended yet):
-            # Tune hears of the trial at the next step that has one (its time is the step).
-            if not self.declared and not self.reported and value is None:
+            if not self.declared and self.last_row is None and value is None:
                 have = sorted(k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
                 raise DriverError(f"--metric {self.metric!r}: job {self.job!r} did not report it at step {step}; it reports {have} "
                                   "(a workload that reports it only at some steps declares it in its `metrics`)")
-            return
-        self.reported = True
+            return None
         self.last_row = row
-        if last:  # handed over once the run has ended (summary and final checkpoint written)
-            return
-        self.rows.put(("step", row))
-        self.go.acquire()  # until Tune asks for the next step, or stops the trial
+        return row
 
 
 class RaylaneTrial(Trainable):
-    """Ray Tune's class trainable around one raylane run, driven in a thread of the trial's
-    process. ``step`` returns the driver's next step; a raylane checkpoint written since
+    """Ray Tune's class trainable around one raylane run, stepped in the trial's process:
+    ``step`` runs the driver's steps up to the next one with a value of the metric; a raylane checkpoint written since
     the last step is handed to Tune with it (``should_checkpoint``: Tune calls
     ``save_checkpoint``, which copies it); ``load_checkpoint`` adopts the checkpoint Tune
     restores (the trial's own after a lost process, another trial's under PBT);
@@ -118,15 +103,16 @@ class RaylaneTrial(Trainable):
 
         self.plan, self.values = plan, dict(config)
         self.spec = registry.get(plan.job)
-        conf = trial_config(self.spec.config_cls, config, plan.config_file, plan.overrides)
+        conf = trial_config(self.spec, config, plan.config_file, plan.overrides)
         conf.driver.run_name, conf.driver.runs_dir = self.trial_id, plan.runs_root
         conf.driver.progress, conf.driver.resume = False, True
         self.conf, self.run_dir = conf, Path(plan.runs_root) / self.trial_id
         self.store = CheckpointStore(conf.driver.store_uri(self.run_dir), keep=conf.driver.keep_checkpoints)
-        self.reporter = TuneReporter(self.trial_id, plan.metric, self.spec.name)
+        self.report: TuneReport | None = None
+        self.driver: Any = None
         self.restored: dict | None = None
-        self.thread: threading.Thread | None = None
-        self.outcome: dict = {}
+        self.latest: tuple[int, str] | None = None  # the newest checkpoint written: (step, path in the store)
+        self.fresh = False  # a checkpoint was written since the last row handed over
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         try:
@@ -168,62 +154,49 @@ class RaylaneTrial(Trainable):
         return json.dumps({**origin, "values": self.values}, sort_keys=True, default=str)
 
     def _start(self) -> None:
-        from raylane import runconfig
+        from raylane import prepare, runrecord
         from raylane.driver import Driver
-        from raylane.launch import build_workload
-        from raylane.runlog import RunLog
+        from raylane.watchers import RunPlot
 
-        changes = runconfig.check_resume(self.spec.name, self.conf, self.run_dir, accept_changes=True)
-        workload = build_workload(self.spec, self.conf)
-        runconfig.write_record(self.spec.name, self.conf, self.run_dir)
-        log = RunLog(self.run_dir, tensorboard=False)
-        log.event("tune_trial", trial=self.trial_id, values=self.values, metric=self.plan.metric, pid=os.getpid(), node=_node_id())
-        if self.restored is not None:
-            log.event(**self.restored)
-        if changes:
-            log.event("config_changed", changes=[{"key": k, "run": a, "now": b} for k, a, b in changes])
-        log.close()
-        self.reporter.declared = self.plan.metric in tuple(getattr(workload, "metrics", ()) or ())
-        self.reporter.driver = Driver(workload, self.conf.driver, observer=self.reporter)
-        self.thread = threading.Thread(target=self._drive, name=f"raylane-trial-{self.trial_id}", daemon=True)
-        self.thread.start()
-
-    def _drive(self) -> None:
-        try:
-            self.outcome["summary"] = self.reporter.driver.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to step(), which raises it in Tune's thread
-            self.outcome["error"] = exc
-        finally:
-            self.reporter.rows.put(("end", None))
+        changes = runrecord.check_resume(self.spec.name, self.conf, self.run_dir, accept_changes=True)
+        events = [{"kind": "tune_trial", "trial": self.trial_id, "values": self.values, "metric": self.plan.metric, "pid": os.getpid(), "node": _node_id()}]
+        workload = prepare.begin(self.spec, self.conf, self.run_dir, changes, events + ([self.restored] if self.restored is not None else []), quiet=True)
+        self.report = TuneReport(self.trial_id, self.plan.metric, self.spec.name, self.plan.metric in tuple(workload.metrics or ()))
+        # No signal handlers, watchdog or progress bar in a trial: Tune owns the process.
+        self.driver = Driver(workload, self.conf.driver, watchers=[RunPlot()])
+        self.driver.start()
 
     def step(self) -> dict:
         from ray.tune.result import DONE, SHOULD_CHECKPOINT
 
-        r = self.reporter
-        if self.thread is None:
+        from raylane.run_state import State
+
+        if self.driver is None:
             self._start()
-        else:
-            r.go.release()  # the driver may run its next step
-        while True:  # every wait inside the driver has its own deadline, and its thread always ends with "end"
+        d, report = self.driver, self.report
+        while True:  # every wait inside a step has its own deadline
             try:
-                kind, row = r.rows.get(timeout=5.0)
+                result = d.step()
+                row = report.row(result.step, result.metrics) if result.metrics else None
+            except BaseException as exc:  # noqa: BLE001 - the run ends here: finish() writes its summary and raises
+                d.failed(exc)
+                d.finish()
+                raise
+            if result.checkpoint is not None:
+                self.latest, self.fresh = result.checkpoint, True
+            if result.state is not State.RUNNING:
                 break
-            except queue.Empty:
-                if not self.thread.is_alive() and r.rows.empty():
-                    raise RuntimeError(f"trial {self.trial_id}: its driver thread ended without a word") from None
-        fresh, r.fresh = r.fresh, False
-        if kind == "step":
-            return {**row, SHOULD_CHECKPOINT: fresh}
-        self.thread.join(timeout=60)
-        if "error" in self.outcome:
-            raise self.outcome["error"]
+            if row is not None and result.step < d.config.max_steps:  # the last step's row waits for the run's end
+                fresh, self.fresh = self.fresh, False
+                return {**row, SHOULD_CHECKPOINT: fresh}
+        d.finish()  # raises if the run failed
         # The last step with the metric; a run that never had it (it ended before its first
         # evaluation) ends with NaN, which Tune ranks last, rather than a made-up value.
-        final = getattr(r, "last_row", None)
+        final = report.last_row
         if final is None:
-            final = {**getattr(r, "final_row", {}), r.metric: float("nan")}
+            final = {**report.final_row, report.metric: float("nan")}
             self._no_metric(final.get("step"))
-        return {**final, DONE: True, SHOULD_CHECKPOINT: r.latest is not None}
+        return {**final, DONE: True, SHOULD_CHECKPOINT: self.latest is not None}
 
     def _no_metric(self, step: Any) -> None:
         """Say (terminal and the run's events) that the run ended without a value of the metric."""
@@ -239,19 +212,23 @@ class RaylaneTrial(Trainable):
         """The newest raylane checkpoint, copied whole, with a note of which trial and step it is."""
         import pyarrow.fs as pafs
 
-        if self.reporter.latest is None:
+        if self.latest is None:
             return None
-        step, path = self.reporter.latest
+        step, path = self.latest
         pafs.copy_files(path, checkpoint_dir, source_filesystem=self.store.fs, destination_filesystem=pafs.LocalFileSystem())
         (Path(checkpoint_dir) / ORIGIN).write_text(json.dumps({"trial": self.trial_id, "step": step}))
         return None
 
     def cleanup(self) -> None:
-        r = self.reporter
-        if self.thread is not None and self.thread.is_alive():
-            r.driver.request_stop("stopped by Ray Tune's scheduler")
-            r.go.release()
-            self.thread.join(timeout=STOP_WAIT_S)
+        """Tune stopped the trial: the run stops at this step boundary with a checkpoint."""
+        from raylane.run_state import State
+
+        if self.driver is not None and self.driver.state is State.RUNNING:
+            self.driver.request_stop("stopped by Ray Tune's scheduler")
+            try:
+                self.driver.finish()
+            except Exception:  # noqa: BLE001 - the run's own folder says how it ended; Tune stops the trial either way
+                pass
 
 
 def _node_id() -> str | None:

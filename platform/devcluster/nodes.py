@@ -21,7 +21,7 @@ on to everything it spawns (raylets, workers, job drivers), so the processes to 
 are found by that marker, plus their descendants. ``ray stop`` is never used: it
 stops every Ray on the machine.
 
-What ``up`` started is recorded as it starts (:mod:`raylane.devcluster_state`), so
+What ``up`` started is recorded as it starts (:mod:`raylane.devcluster.state`), so
 ``down`` can always find it.
 """
 
@@ -41,7 +41,7 @@ from typing import Callable
 
 from raylane import security
 from raylane.cluster import MARKET_LABEL, SPEED_LABEL
-from raylane.devcluster_state import CONNECTION_FILE, MARKER_ENV, DevClusterError, DevClusterState, NodeRecord, default_dir, write_connection_file
+from raylane.devcluster.state import CONNECTION_FILE, MARKER_ENV, DevClusterError, DevClusterState, NodeRecord, default_dir, write_connection_file
 
 MAX_NODES = 16
 

@@ -1,49 +1,14 @@
-"""The ``raylane`` command line (typer)."""
+"""``raylane cluster``, ``raylane jobs`` and ``raylane run``: the commands of a run on this machine or a cluster it joins."""
 
 from __future__ import annotations
 
 import json
-import sys
 from typing import List, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from raylane import config as cfg
-
-app = typer.Typer(
-    name="raylane",
-    help="Distributed training on heterogeneous, preemptible Ray clusters.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-console = Console()
-err = Console(stderr=True)
-
-ADDRESS_HELP = ("Ray address to join (e.g. auto, or host:6379), given up after RAYLANE_CONNECT_TIMEOUT seconds (30). "
-                "Default: an embedded local Ray, on 127.0.0.1 only.")
-
-
-def _fail(message: str, code: int = 2) -> None:
-    # escaped: a message may quote text with brackets (pip extras such as gymnasium[box2d]);
-    # soft-wrapped: the terminal folds it, so a command in it stays one line to copy
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def _connect_failed(exc: Exception, code: int = 2) -> None:
-    """A :class:`raylane.session.ConnectError`: said in one line. When ``ray.init`` is still
-    stuck in its thread, leave at once: Ray's exit hooks would wait on it."""
-    import os
-
-    if getattr(exc, "stuck", False):
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    _fail(str(exc), code)
+from raylane.cli.app import ADDRESS_HELP, app, connect_failed, console, end, fail
 
 
 @app.command()
@@ -59,7 +24,7 @@ def cluster(
     try:
         session.connect(address)
     except session.ConnectError as exc:
-        _connect_failed(exc)
+        connect_failed(exc)
     view = ClusterView.from_ray(calibrate=calibrate)
     if as_json:
         typer.echo(json.dumps(view.to_json(), indent=2))
@@ -85,7 +50,7 @@ def jobs(
     try:
         spec = registry.get(job)
     except registry.UnknownJobError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     title = f"{spec.name}: config keys (--set key=value)"
     console.print(tables.config_keys(title, cfg.describe(spec.config_cls), console.width, wide=wide))
 
@@ -108,61 +73,29 @@ def run(
     the one it started with; a different config is refused with the keys that differ."""
     from raylane import registry, session
     from raylane.driver import DriverError, RunAborted
-    from raylane.launch import load_job_config, run_job, summary_line
+    from raylane.launch import run_job, summary_line
+    from raylane.prepare import job_config
 
     try:
         spec = registry.get(job)
-        conf = load_job_config(spec, config_file=config, overrides=set_, run_name=run_name, progress=progress)
+        conf = job_config(spec, config_file=config, overrides=set_, run_name=run_name, progress=progress)
     except (registry.UnknownJobError, cfg.ConfigError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     try:
         summary = run_job(spec, conf, address=address, dashboard=dashboard, new=new, resume_with_changes=resume_with_changes)
     except cfg.ConfigError as exc:  # the job's input (data, graph, env) refused before Ray starts
-        _fail(str(exc))
+        fail(str(exc))
     except session.ConnectError as exc:  # --address: nothing there, or no handshake within the deadline
-        _connect_failed(exc)
+        connect_failed(exc)
     except RunAborted as exc:
-        _fail(str(exc), code=130)
+        fail(str(exc), code=130)
     except DriverError as exc:
-        _fail(str(exc), code=1)
+        fail(str(exc), code=1)
     if summary["state"] == "stopped":
         console.print(summary_line(spec.name, summary), highlight=False, markup=False)
         console.print(f"run folder: {summary['run_dir']}")
-        _end(130 if "SIGINT" in str(summary.get("stop_reason")) else 0)  # 130: as a shell reports a program ended by Ctrl-C
+        end(130 if "SIGINT" in str(summary.get("stop_reason")) else 0)  # 130: as a shell reports a program ended by Ctrl-C
         return
     console.print(summary_line(spec.name, summary), highlight=False, markup=False)
     console.print(f"run folder: {summary['run_dir']}")
-    _end(0)
-
-
-def _end(code: int) -> None:
-    """Leave with ``code`` once Ray is shut down, or without waiting for it when the shutdown
-    stalls: a signal to the whole process group may be stopping the embedded Ray right now,
-    and a shutdown against it would wait out the core worker's 60 s reconnect."""
-    import os
-
-    from raylane import session
-
-    if not session.shutdown_within(8.0):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if code:
-        raise typer.Exit(code)
-
-
-from raylane import cli_control  # noqa: E402 - the commands that talk to a running job
-
-cli_control.register(app)
-from raylane import cli_submit, cli_tune, devcluster  # noqa: E402 - Ray Jobs API commands; searches; the local dev cluster
-cli_submit.register(app)
-cli_tune.register(app)
-devcluster.register(app)
-
-
-def main() -> None:
-    app(prog_name="raylane")
-
-
-if __name__ == "__main__":
-    main()
+    end(0)

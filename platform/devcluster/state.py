@@ -6,7 +6,7 @@ reads it to find the cluster when no ``--address`` is given. ``<dir>/connection.
 holds the same in the variables Ray's own tools read (:func:`connection_env`):
 ``set -a; . <dir>/connection.env; set +a``.
 
-Nothing here starts or stops a process (that is :mod:`raylane.devcluster_nodes`), so
+Nothing here starts or stops a process (that is :mod:`raylane.devcluster.nodes`), so
 the submit path can read the record without importing the CLI.
 """
 

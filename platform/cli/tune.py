@@ -9,7 +9,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    from raylane.cli import ADDRESS_HELP
+    from raylane.cli.app import ADDRESS_HELP
 
     @app.command()
     def tune(
@@ -44,11 +44,12 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from raylane import config as cfg
-        from raylane import registry, session, tune_results
-        from raylane.cli import _connect_failed, _end, _fail
+        from raylane import registry, session
+        from raylane.tune import results as tune_results
+        from raylane.cli.app import connect_failed, end, fail
         from raylane.runpaths import RunPathError, check_run_name
-        from raylane.tune_run import Search, search_folder, tune
-        from raylane.tune_space import SearchSpaceError, parse_search, space_from_mapping
+        from raylane.tune.run import Search, search_folder, tune
+        from raylane.tune.space import SearchSpaceError, parse_search, space_from_mapping
         from raylane.workload import default_run_name
 
         # piped to a file or a job's log: wide enough for the table of trials, not rich's 80 columns
@@ -71,9 +72,9 @@ def register(app: typer.Typer) -> None:
                        seed=seed)
             prep, rows, files = tune(s, address=address, say=lambda m: console.print(m, highlight=False, markup=False))
         except (SearchSpaceError, registry.UnknownJobError, cfg.ConfigError, RunPathError) as exc:
-            _fail(str(exc))
+            fail(str(exc))
         except session.ConnectError as exc:
-            _connect_failed(exc)
+            connect_failed(exc)
         folder = search_folder(s)
         console.print(tune_results.table(rows, prep.metric))
         for kind, path in files.items():
@@ -84,9 +85,9 @@ def register(app: typer.Typer) -> None:
             for r in failed:
                 console.print(f"trial {r['trial']} failed: {(r.get('error') or 'see its folder').splitlines()[0]}", highlight=False, markup=False)
             what = f"all {len(rows)} trials failed" if rows and len(failed) == len(rows) else f"no trial that did not fail reported {prep.metric}"
-            _fail(f"{what}; no best trial. See the trials' folders under {folder / 'trials'}", code=1)
+            fail(f"{what}; no best trial. See the trials' folders under {folder / 'trials'}", code=1)
         console.print(f"best trial {best['trial']}: {prep.metric}={best[f'best_{prep.metric}']:.6g}; to run it alone:", highlight=False)
         console.print(tune_results.command_line(prep.spec.name if ":" not in job else job, s.overrides, config, best),
                       highlight=False, markup=False, soft_wrap=True)
         errors = sum(1 for r in rows if r["state"] == "error")
-        _end(1 if errors else 0)
+        end(1 if errors else 0)

@@ -178,13 +178,15 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def trial_config(config_cls: type, values: Mapping[str, Any], config_file: str | None, overrides: list[str] | tuple = ()) -> Any:
-    """One trial's config: the job's defaults <- the config file <- the trial's sampled
+def trial_config(spec: Any, values: Mapping[str, Any], config_file: str | None, overrides: list[str] | tuple = ()) -> Any:
+    """One trial's config (``spec``: the job's :class:`~raylane.registry.JobSpec`, as
+    :func:`raylane.prepare.job_config` assembles every run's): the job's defaults <- the config file <- the trial's sampled
     ``values`` (typed, never round-tripped through text) <- ``--set`` overrides. A sampled
     value wins over the file's value of the same key (the search says so before it starts);
     a key both --set and searched is refused by :func:`check_space`."""
-    data = cfg.merge(cfg.read_mapping(config_file), nest(values))
-    return cfg.load_config(config_cls, data=data, overrides=list(overrides))
+    from raylane.prepare import job_config
+
+    return job_config(spec, cfg.merge(cfg.read_mapping(config_file), nest(values)), overrides=overrides)
 
 
 def trial_count(space: Mapping[str, Spec], num_samples: int) -> int:

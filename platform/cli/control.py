@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-console = Console()
-err = Console(stderr=True)
+from raylane.cli.app import connect_failed, console, fail
 
 ADDRESS = ("Ray address of the cluster the job runs on (default: where the run's record on this machine says, else RAY_ADDRESS); "
            "given up after RAYLANE_CONNECT_TIMEOUT seconds (30).")
@@ -32,20 +29,13 @@ def _connect(address: Optional[str], run: str, cap_s: Optional[float] = None) ->
         # has, which may be another cluster that knows nothing of the run.
         address = local_address(run) or os.environ.get("RAY_ADDRESS")
         if not address:
-            err.print(f"error: run {run!r} is not running on this machine (no record of it under {runs_home()}) and RAY_ADDRESS is not set; "
-                      "give --address of the cluster it runs on (e.g. --address 10.0.0.5:6379, or auto for the cluster on this machine)",
-                      highlight=False, markup=False, soft_wrap=True)
-            raise typer.Exit(2)
+            fail(f"run {run!r} is not running on this machine (no record of it under {runs_home()}) and RAY_ADDRESS is not set; "
+                 "give --address of the cluster it runs on (e.g. --address 10.0.0.5:6379, or auto for the cluster on this machine)")
     address = address or "auto"
     try:
         session.connect(address, timeout_s=min(session.connect_timeout_s(), cap_s or float("inf")))
     except session.ConnectError as exc:
-        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
-        if exc.stuck:  # ray.init still runs in its thread: Ray's exit hooks would wait on it
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
-        raise typer.Exit(2) from None
+        connect_failed(exc)
 
 
 def _age(t: float) -> str:
@@ -65,8 +55,7 @@ def pools(
     try:
         report = ControlClient().pools(run)
     except ControlError as exc:
-        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        fail(str(exc))
     if as_json:
         console.print_json(json.dumps(report))
         return
@@ -107,8 +96,7 @@ def scale(
     try:
         pool = client.scale(run, role, n, timeout_s=timeout, on_update=lambda msg: console.print(msg))
     except ControlError as exc:
-        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
-        raise typer.Exit(3 if "no room" in str(exc) or "did not reach" in str(exc) else 2) from None
+        fail(str(exc), 3 if "no room" in str(exc) or "did not reach" in str(exc) else 2)
     markets = ", ".join(f"{m} {c}" for m, c in sorted(pool["markets"].items()))
     console.print(f"{role}: {pool['live']} live ({markets})")
 
@@ -122,8 +110,7 @@ def notices(
     from raylane.notices import POLLERS, NoticeWatcher, make_poller
 
     if provider not in POLLERS:
-        err.print(f"error: unknown provider {provider!r}; choose one of {', '.join(POLLERS)}")
-        raise typer.Exit(2)
+        fail(f"unknown provider {provider!r}; choose one of {', '.join(POLLERS)}")
     _connect(address, run="")
     watcher = NoticeWatcher(make_poller(provider), interval_s=interval)
     console.print(f"watching {provider} preemption notices every {interval:g} s")
