@@ -39,6 +39,11 @@ class CheckpointStatus:
     final: bool = False
 
 
+SAVE_WAIT_S = 10.0
+"""How long a checkpoint step waits for the previous cut's copies to reach their keepers
+before it sends its own cut (a plain step does not wait: it skips its cut)."""
+
+
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """Checkpoint every N steps, every T seconds, at once on a preemption notice, and at the end."""
@@ -108,6 +113,7 @@ class Checkpointer:
         self.memory: InMemory | None = None  # the newest cut replicated to keepers (copies may be on their way)
         self.memory_before: InMemory | None = None  # the cut before it: restored when a copy of the newest was cut off
         self.uses_parts = False  # the workload's state has parts (seen at its first checkpoint)
+        self.replicas_deferred = 0  # steps not replicated since the last checkpoint event: the newest cut's copies were still travelling
 
     def replicate(self, every_steps: int, cluster: Callable[[], ClusterView]) -> None:
         """Keep a replica of every part's snapshot in a keeper's memory every ``every_steps``
@@ -123,9 +129,11 @@ class Checkpointer:
         self.settle(wait=notice or final or bool(force))  # a notice, a stop, the end: nothing left in flight
         status = CheckpointStatus(step, self.last_step, self.last_time, time.time(), notice=notice, final=final)
         save, why = (True, force) if force else self.policy.decide(status)
-        replicate = (self.uses_parts and self.keepers is not None and self.replicate_every > 0 and step % self.replicate_every == 0
-                     and (self.memory is None or self.memory.step != step))
+        wants_cut = self.keepers is not None and (self.memory is None or self.memory.step != step)
+        due = wants_cut and self.uses_parts and self.replicate_every > 0 and step % self.replicate_every == 0
+        replicate = due and self._copies_landed()
         if not save and not replicate:
+            self.replicas_deferred += due
             return None
         if save:
             self.settle(wait=True)  # one in flight at a time
@@ -135,8 +143,12 @@ class Checkpointer:
         whole = _swap_parts(whole, lambda name, part: (parts.setdefault(name, part), PartRef(name))[1])
         if parts:
             self.uses_parts = True
-            if self.keepers is not None:
+            # A checkpoint's snapshot is replicated too, waiting (bounded) for the copies before
+            # it to land, so the newest checkpoint always has its cut in memory.
+            if wants_cut and (replicate or self._copies_landed(wait_s=SAVE_WAIT_S)):
                 self.memory_before, self.memory = self.memory, replicate_cut(step, whole, parts, self.keepers)
+            else:
+                self.replicas_deferred += wants_cut
         if not save:
             return None
         self.loaded(step)
@@ -168,6 +180,19 @@ class Checkpointer:
             return self.settle(wait=True)
         return None
 
+    def _copies_landed(self, wait_s: float = 0.0) -> bool:
+        """Whether every copy of the newest cut has reached its keeper (or failed on the way).
+        A new cut is sent only then: copies never queue up behind a slow keeper or link
+        (where each queued copy's only source is its owner, so one lost node would take
+        several cuts with it), and the cut before the newest is always whole in the keepers'
+        memory. A step that finds copies still travelling (after ``wait_s``) is not replicated
+        (counted in the next checkpoint event as ``replicas_deferred``)."""
+        holds = list(self.memory.holds.values()) if self.memory is not None else []
+        if not holds:
+            return True
+        _, rest = ray.wait(holds, num_returns=len(holds), timeout=wait_s, fetch_local=False)
+        return not rest
+
     def settle(self, wait: bool) -> CheckpointInfo | None:
         """Commit the checkpoint in flight if its parts are written (``wait``: waiting for
         them, up to the deadline); a part that failed or ran late drops it, said in an event."""
@@ -195,6 +220,8 @@ class Checkpointer:
         self.written += 1
         self.newest_written = (info.step, info.path)
         extra = {"parts": len(parts), **more} if parts else {}
+        if self.replicas_deferred:
+            extra["replicas_deferred"], self.replicas_deferred = self.replicas_deferred, 0
         self.log.event("checkpoint", step=info.step, reason=why, seconds=seconds, **extra)
 
     def loaded(self, step: int) -> None:

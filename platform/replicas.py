@@ -10,8 +10,10 @@ replicated cut (the driver's own small state and one snapshot per part, all of o
 boundary) is :class:`InMemory`; restoring it gives each part either its owner's own
 snapshot (the owner survived) or its keeper's copy (the owner was lost). When a part has
 neither (its copy was still on its way when its node went), the cut before it is tried,
-from the keepers' copies (each keeps the last two); when that fails too, the run restores
-from the store.
+from the keepers' copies (each keeps the last two). A cut is sent only once every copy of
+the one before has reached its keeper (the checkpointer skips the steps in between), so
+the cut before the newest is always whole in memory; the run restores from the store only
+when a keeper was lost as well.
 
 Keepers reserve no CPU (``num_cpus=0``) and hold only memory; one per node at most,
 started when a snapshot first needs one there, gone with their node or at the run's end.

@@ -15,7 +15,7 @@ from raylane.checkpoint import CheckpointStore
 from raylane.checkpoint_cadence import Checkpointer, CheckpointPolicy
 from raylane.checkpoint_format import PartRef, StoredPart
 from raylane.checkpoint_parts import CHECKPOINT_GROUPS, CheckpointParts
-from raylane.replicas import InMemory, ReplicaKeeper
+from raylane.replicas import InMemory, Keepers, ReplicaKeeper
 from raylane.runlog import RunLog, read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180), pytest.mark.usefixtures("ray_local")]
@@ -41,6 +41,19 @@ class Holder(CheckpointParts):
 
     def busy(self, seconds: float) -> None:
         time.sleep(seconds)  # a long step in the actor's main thread (a learner's update, a stage's batch)
+
+
+def gone(actor, timeout_s: float = 30.0) -> None:
+    """Wait until ``actor`` answers no more: a kill is asynchronous, and a call made right
+    after it may still be served."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.first.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the actor still answers {timeout_s:g} s after it was killed")
 
 
 def setup(tmp_path):
@@ -125,8 +138,7 @@ def test_a_cut_whose_copy_was_cut_off_with_its_owner_is_restored_from_the_cut_be
         parts = checkpoint_parts.snapshot(actors, timeout_s=60)
         if step == 2:
             ray.kill(actors["1"], no_restart=True)  # lost before its copy is read
-            with pytest.raises(ray.exceptions.RayActorError):
-                ray.get(actors["1"].first.remote(), timeout=30)
+            gone(actors["1"])
         holds = {n: keeper.hold.remote(n, step, p.handle.peek_snapshot.remote(p.token)) for n, p in parts.items()}
         return InMemory(step, {"workload": {n: PartRef(n) for n in parts}, "driver": {"step": step}}, parts, dict.fromkeys(parts, keeper), holds)
 
@@ -143,3 +155,57 @@ def test_a_cut_whose_copy_was_cut_off_with_its_owner_is_restored_from_the_cut_be
     assert source["step"] == 1 and source["parts"] == {"0": "peer", "1": "peer"}, source
     ckpt.loaded(1)  # the restore: nothing past step 1 is restored from any more
     assert ckpt.memory is None and ckpt.memory_before is first
+
+
+class OneKeeper(Keepers):
+    """Every part's copy goes to one given keeper (a one-node test has no other node to choose)."""
+
+    def __init__(self, keeper):
+        super().__init__(cluster=lambda: None, on_alone=lambda message: None)
+        self.keeper = keeper
+
+    def choose(self, parts):
+        return dict.fromkeys(parts, self.keeper)
+
+
+@ray.remote
+def later(seconds: float) -> int:
+    time.sleep(seconds)
+    return 0
+
+
+def test_a_cut_is_sent_only_once_the_copies_of_the_one_before_reached_their_keeper(tmp_path):
+    """A slow keeper (or link) never has copies queue up: while the newest cut's copies
+    travel, the steps are not replicated, so the cut before the newest stays whole."""
+    log = RunLog(tmp_path / "run", tensorboard=False)
+    ckpt = Checkpointer(CheckpointStore(str(tmp_path / "ckpt")), CheckpointPolicy(every_steps=100), log)
+    ckpt.replicate(1, cluster=lambda: None)
+    keeper = ReplicaKeeper.remote()
+    ckpt.keepers = OneKeeper(keeper)
+    actors = {"0": Holder.remote(16, 1.0)}
+    taken: list[int] = []
+
+    def state(step: int):
+        def read() -> dict:
+            taken.append(step)
+            return {"workload": checkpoint_parts.snapshot(actors, timeout_s=60), "driver": {"step": step}}
+        return read
+
+    ckpt.maybe(0, state(0))  # a cut of step 0; its copy lands
+    ray.get(list(ckpt.memory.holds.values()), timeout=60)
+    # The keeper is busy for 3 s: a hold whose input is not ready yet runs first (calls from
+    # one caller run in order), so the copy of step 1 waits behind it.
+    busy = keeper.hold.remote("busy", 0, later.remote(3.0))
+    ckpt.maybe(1, state(1))
+    for step in (2, 3):
+        ckpt.maybe(step, state(step))
+    assert taken == [0, 1] and (ckpt.memory.step, ckpt.memory_before.step) == (1, 0)
+    assert ckpt.replicas_deferred == 2
+    ray.get([busy, *ckpt.memory.holds.values()], timeout=60)
+    ckpt.maybe(4, state(4))
+    assert taken == [0, 1, 4] and (ckpt.memory.step, ckpt.memory_before.step) == (4, 1)
+    ray.get(list(ckpt.memory.holds.values()), timeout=60)
+    ckpt.maybe(5, state(5), force="test")  # the checkpoint event says how many steps went unreplicated
+    log.close()
+    [event] = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint" and e["step"] == 5]
+    assert event["replicas_deferred"] == 2, event
