@@ -180,6 +180,19 @@ def drive(
     return Driven(summary=summary, run_dir=d.run_dir, steps=steps, events=read_jsonl(d.run_dir / "events.jsonl"))
 
 
+def gone(actor: Any, timeout_s: float = 30.0, method: str = "__ray_ready__") -> None:
+    """Wait until ``actor`` answers no more (its ``method`` raises RayActorError): a kill is
+    asynchronous, and a call made right after it may still be served."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(getattr(actor, method).remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the actor still answers {timeout_s:g} s after it was killed")
+
+
 def ranks_now(run_dir: Path | str, kind: str, key: str) -> dict[int, Any]:
     """{rank: value} from ``key`` of every ``kind`` event written so far (later events win),
     for a test that acts on a gang's actor while the run goes on, e.g.

@@ -23,7 +23,7 @@ def by_name(market, name: str):
     return next(n for n in market.nodes.values() if n.name == name)
 
 
-def notice_then_remove(market, log: list, *, notice_at: int, remove_at: int, notice_s: float = 2.0):
+def notice_then_remove(market, log: list, *, notice_at: int, remove_at: int, notice_s: float = 6.0):
     """The chaos schedule the parameter-server and XGBoost cases share, as a ``during``
     schedule for ``harness.drive``: once ``notice_at`` step calls have begun, the first spot
     node by name is preempted with ``notice_s`` of notice; at ``remove_at`` the last one is

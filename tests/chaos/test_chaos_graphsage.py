@@ -43,11 +43,11 @@ def test_graphsage_through_a_seeded_spot_schedule(spot_cluster, tmp_path):
     log: list[tuple[int, str]] = []
 
     def schedule(steps):
-        # 1: a drain with a 2 s notice, the node then replaced
+        # 1: a drain with a 6 s notice, the node then replaced
         steps.wait(6)
         victim = sorted(market.spot_nodes(), key=lambda n: n.name)[0]
         log.append((len(steps), f"notice {victim.name}"))
-        market.preempt(victim, notice_s=2.0)
+        market.preempt(victim, notice_s=6.0)  # longer than a step: the driver sees the notice at a step boundary
         market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
         # 2 and 3: two hard removals in a row, then all spot capacity gone for a while
         steps.wait(len(steps) + 4)

@@ -28,7 +28,7 @@ def test_ppo_solves_cartpole_through_a_seeded_spot_schedule(spot_cluster, tmp_pa
         steps.wait(8)
         victim = sorted(market.spot_nodes(), key=lambda n: n.name)[0]
         log.append(f"notice {victim.name}")
-        market.preempt(victim, notice_s=2.0)
+        market.preempt(victim, notice_s=6.0)  # longer than a step: the driver sees the notice at a step boundary
         market.add_node("spot", speed=victim.speed, cpus=2, name=victim.name)
         steps.wait(len(steps) + 10)
         victim = sorted(market.spot_nodes(), key=lambda n: n.name)[-1]

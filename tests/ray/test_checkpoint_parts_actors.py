@@ -18,6 +18,8 @@ from raylane.checkpoint_parts import CHECKPOINT_GROUPS, CheckpointParts
 from raylane.replicas import InMemory, Keepers, ReplicaKeeper
 from raylane.runlog import RunLog, read_jsonl
 
+from harness import gone  # tests/harness.py
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180), pytest.mark.usefixtures("ray_local")]
 
 
@@ -41,19 +43,6 @@ class Holder(CheckpointParts):
 
     def busy(self, seconds: float) -> None:
         time.sleep(seconds)  # a long step in the actor's main thread (a learner's update, a stage's batch)
-
-
-def gone(actor, timeout_s: float = 30.0) -> None:
-    """Wait until ``actor`` answers no more: a kill is asynchronous, and a call made right
-    after it may still be served."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.first.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the actor still answers {timeout_s:g} s after it was killed")
 
 
 def setup(tmp_path):
@@ -91,6 +80,7 @@ def test_a_part_whose_actor_is_lost_drops_the_checkpoint_and_the_previous_stays_
     def snapshot_then_lose_one():
         parts = checkpoint_parts.snapshot(actors, timeout_s=60)
         ray.kill(actors["1"], no_restart=True)  # gone before it wrote its part
+        gone(actors["1"])
         return {"held": parts}
 
     ckpt.maybe(2, snapshot_then_lose_one)

@@ -44,7 +44,7 @@ def test_a_signal_to_the_whole_process_group_leaves_a_summary_and_a_private_toke
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
         except ProcessLookupError:
             pass
-    assert took < 15, (took, out)
+    assert took < 40, (took, out)  # not Ray's 60 s wait for a lost GCS
     summary = json.loads((runs / "pg" / "summary.json").read_text())
     assert summary["state"] == "stopped" and summary["steps"] >= 3, (summary, out)
     if summary["error"] is not None:  # Ray died before the step boundary: said, with the checkpoint to resume from

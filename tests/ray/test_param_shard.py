@@ -24,7 +24,7 @@ from raylane.jobs.ps_ctr import SHARDS, WORKERS, PSCTRConfig, PSCTRWorkload
 from raylane.runlog import read_jsonl
 
 from ctr_tables import write_clicks  # tests/ctr_tables.py
-from harness import drive  # tests/harness.py
+from harness import drive, gone  # tests/harness.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -139,16 +139,19 @@ def run(conf: PSCTRConfig, kill: str | None = None, at: int = KILL_AT) -> tuple[
     final: dict = {}
 
     def kill_soon():
-        victim = (workload.shards if kill == SHARDS else workload.workers)[1]
+        victim = final["victim"] = (workload.shards if kill == SHARDS else workload.workers)[1]
         final["killed"] = True
         threading.Timer(0.2, lambda: ray.kill(victim, no_restart=True)).start()
+
+    def killed():  # the kill is asynchronous (and on a timer): it has landed before the step after it starts
+        gone(final["victim"])
 
     def keep_state():
         if workload.shards:
             final["shards"] = shard_states(workload)
             final["logs"] = [entry for i in sorted(workload.shards) for entry in ray.get(workload.shards[i].clock_log.remote(), timeout=60)]
 
-    summary = drive(workload, conf.driver, at={at: kill_soon} if kill else None, before_close=keep_state).summary
+    summary = drive(workload, conf.driver, at={at: kill_soon, at + 1: killed} if kill else None, before_close=keep_state).summary
     return summary, final["shards"], final["logs"]
 
 
@@ -223,6 +226,7 @@ def test_a_worker_lost_between_its_pushes_of_one_clock_rolls_every_shard_back(ra
         zeros = {name: np.zeros(b - a, np.float32) for name, (a, b) in workload.slices[0].items()}
         assert all(ray.get([workload.shards[0].push.remote(w, clock, zeros, {}) for w in (0, 1)], timeout=60))
         ray.kill(workload.workers[1], no_restart=True)
+        gone(workload.workers[1])  # before the step: a kill landing late would let it push the clock to shard 1
 
     def keep_state():
         final["shards"] = shard_states(workload)

@@ -16,7 +16,7 @@ from raylane import config as cfg
 from raylane.driver import Driver, DriverConfig
 from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig, PipelineLMWorkload, PipelineWorkload
 
-from harness import drive  # tests/harness.py
+from harness import drive, gone  # tests/harness.py
 from pipeline_ref import check_close, final_params, reference  # tests/pipeline_ref.py
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -58,9 +58,11 @@ def test_a_stage_killed_mid_step_is_recovered_from_the_last_checkpoint(ray_local
     conf = make(tmp_path, "plm-kill", steps, stages=3, schedule="gpipe", micro_batches=4)
     workload = PipelineLMWorkload(conf)
     killed: list[str] = []
+    victims: list = []
 
     def kill_a_stage():
         victim = workload.layout.pipelines[0][1]
+        victims.append(victim)
         pid = ray.get(victim.where.remote(), timeout=30)["pid"]
 
         def kill():
@@ -70,7 +72,8 @@ def test_a_stage_killed_mid_step_is_recovered_from_the_last_checkpoint(ray_local
 
         threading.Thread(target=kill, daemon=True).start()
 
-    run = drive(workload, conf.driver, at={kill_at: kill_a_stage})
+    # The kill is asynchronous: it has landed before step kill_at + 1 runs its batch.
+    run = drive(workload, conf.driver, at={kill_at: kill_a_stage, kill_at + 1: lambda: gone(victims[0])})
     summary, seen = run.summary, run.steps
     assert killed and summary["state"] == "finished" and summary["steps"] == steps
     # The failing step is 9, or 10 if step 9 ended inside the 10 ms; either way the run
@@ -100,12 +103,14 @@ def test_pipeline_trains_the_users_layers_on_their_token_file_through_a_stage_ki
     conf.driver = DriverConfig(run_name="byo", runs_dir=str(tmp_path), max_steps=steps, checkpoint_every_steps=4, progress=False, tensorboard=False)
     workload = PipelineWorkload(conf)
     killed = []
+    victims: list = []
 
     def kill_a_stage():
         victim = workload.layout.pipelines[0][1]
+        victims.append(victim)
         threading.Timer(0.01, lambda: (ray.kill(victim, no_restart=True), killed.append(1))).start()
 
-    run = drive(workload, conf.driver, at={6: kill_a_stage})
+    run = drive(workload, conf.driver, at={6: kill_a_stage, 7: lambda: gone(victims[0])})  # landed before the last step
     assert killed and run.summary["state"] == "finished" and run.summary["failures_recovered"] == 1, run.summary
     assert run.run_dir.name == "byo" and [e for e in run.events if e["event"] == "layer_costs"][0]["split"] == "measured"
     layout = [e for e in run.events if e["event"] == "pipeline_layout"][-1]
