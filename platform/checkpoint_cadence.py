@@ -144,8 +144,9 @@ class Checkpointer:
         if parts:
             self.uses_parts = True
             # A checkpoint's snapshot is replicated too, waiting (bounded) for the copies before
-            # it to land, so the newest checkpoint always has its cut in memory.
-            if wants_cut and (replicate or self._copies_landed(wait_s=SAVE_WAIT_S)):
+            # it to land, so the newest checkpoint always has its cut in memory (not on a notice
+            # or at the end: the notice's seconds go to the store, and no restore follows the end).
+            if wants_cut and (replicate or self._copies_landed(wait_s=0.0 if notice or final else SAVE_WAIT_S)):
                 self.memory_before, self.memory = self.memory, replicate_cut(step, whole, parts, self.keepers)
             else:
                 self.replicas_deferred += wants_cut
