@@ -114,6 +114,7 @@ class Checkpointer:
         self.memory_before: InMemory | None = None  # the cut before it: restored when a copy of the newest was cut off
         self.uses_parts = False  # the workload's state has parts (seen at its first checkpoint)
         self.replicas_deferred = 0  # steps not replicated since the last checkpoint event: the newest cut's copies were still travelling
+        self._deferred_said = False
 
     def replicate(self, every_steps: int, cluster: Callable[[], ClusterView]) -> None:
         """Keep a replica of every part's snapshot in a keeper's memory every ``every_steps``
@@ -133,7 +134,8 @@ class Checkpointer:
         due = wants_cut and self.uses_parts and self.replicate_every > 0 and step % self.replicate_every == 0
         replicate = due and self._copies_landed()
         if not save and not replicate:
-            self.replicas_deferred += due
+            if due:
+                self._deferred(step)
             return None
         if save:
             self.settle(wait=True)  # one in flight at a time
@@ -148,8 +150,8 @@ class Checkpointer:
             # or at the end: the notice's seconds go to the store, and no restore follows the end).
             if wants_cut and (replicate or self._copies_landed(wait_s=0.0 if notice or final else SAVE_WAIT_S)):
                 self.memory_before, self.memory = self.memory, replicate_cut(step, whole, parts, self.keepers)
-            else:
-                self.replicas_deferred += wants_cut
+            elif wants_cut:
+                self._deferred(step)
         if not save:
             return None
         self.loaded(step)
@@ -180,6 +182,20 @@ class Checkpointer:
         if notice or final or force:
             return self.settle(wait=True)
         return None
+
+    def _deferred(self, step: int) -> None:
+        """Step ``step`` was not replicated (the newest cut's copies were still travelling):
+        counted for the next checkpoint event, and said once per run, on the terminal and in
+        a ``replicas_deferred`` event, since the run then replicates less often than
+        ``driver.replicate_every_steps`` asks."""
+        self.replicas_deferred += 1
+        if not self._deferred_said:
+            self._deferred_said = True
+            msg = (f"replication: the copies of step {self.memory.step if self.memory else '?'} had not reached their keepers by step {step}, "
+                   f"so steps are replicated as the copies land rather than every driver.replicate_every_steps={self.replicate_every} "
+                   "(said once; each checkpoint event counts the steps skipped as replicas_deferred)")
+            say(msg)
+            self.log.event("replicas_deferred", step=step, reason=msg)
 
     def _copies_landed(self, wait_s: float = 0.0) -> bool:
         """Whether every copy of the newest cut has reached its keeper (or failed on the way).

@@ -164,7 +164,7 @@ def later(seconds: float) -> int:
     return 0
 
 
-def test_a_cut_is_sent_only_once_the_copies_of_the_one_before_reached_their_keeper(tmp_path):
+def test_a_cut_is_sent_only_once_the_copies_of_the_one_before_reached_their_keeper(tmp_path, capfd):
     """A slow keeper (or link) never has copies queue up: while the newest cut's copies
     travel, the steps are not replicated, so the cut before the newest stays whole."""
     log = RunLog(tmp_path / "run", tensorboard=False)
@@ -197,5 +197,9 @@ def test_a_cut_is_sent_only_once_the_copies_of_the_one_before_reached_their_keep
     ray.get(list(ckpt.memory.holds.values()), timeout=60)
     ckpt.maybe(5, state(5), force="test")  # the checkpoint event says how many steps went unreplicated
     log.close()
-    [event] = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint" and e["step"] == 5]
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    [event] = [e for e in events if e["event"] == "checkpoint" and e["step"] == 5]
     assert event["replicas_deferred"] == 2, event
+    [said] = [e for e in events if e["event"] == "replicas_deferred"]  # said once, at the first step skipped
+    assert said["step"] == 2 and "every driver.replicate_every_steps=1" in said["reason"], said
+    assert capfd.readouterr().err.count("replication: the copies of step 1 had not reached their keepers by step 2") == 1
