@@ -134,7 +134,7 @@ def run_one(market: SpotMarket, job: str, mode: str, args, runs: Path) -> dict[s
     name = f"{job}-{mode}"
     # (xgboost derives its steps from its rounds and refuses driver.max_steps)
     conf = job_config(spec, overrides=OVERRIDES[job] + ([] if job == "xgboost" else ["driver.max_steps=1000000000"]) + [
-        f"driver.stateful_market={args.stateful_market}", f"driver.max_wall_s={args.duration}", "driver.progress=false", "driver.tensorboard=false",
+        f"driver.stateful_market={args.stateful_market}", f"driver.hot_spares={args.hot_spares}", f"driver.max_wall_s={args.duration}", "driver.progress=false", "driver.tensorboard=false",
         f"driver.runs_dir={runs}", f"driver.run_name={name}", "driver.max_failures=1000"])
     workload = build(spec, conf)
     if mode == "restart-all":
@@ -167,8 +167,12 @@ def run_one(market: SpotMarket, job: str, mode: str, args, runs: Path) -> dict[s
     stall = max((b - a for a, b in zip(times, times[1:])), default=0.0)  # the longest wait between two steps
     plan = next(e for e in events if e["event"] == "plan")["assignments"]
     price = sum(a["resources"].get("CPU", 0.0) * PRICE[a["market"]] for a in plan)  # per hour, as planned at the start
+    for e in events:  # hot spares reserve their role's CPUs too, on the markets they were started on
+        for kept in (e.get("roles") or {}).values() if e["event"] == "hot_spares" else ():
+            price += sum(kept["resources"].get("CPU", 0.0) * PRICE[market] for market in kept["markets"])
     restored = [e for e in events if e["event"] == "restored"]
-    return {"job": job, "mode": mode, "steps": summary["steps"], "price_per_h": price, "restored": [(e["source"], e["steps_rolled_back"]) for e in restored], "stall": stall, "wall": wall, "state": summary["state"], "recoveries": summary["failures_recovered"],
+    return {"job": job, "mode": mode, "steps": summary["steps"], "price_per_h": price, "restored": [(e["source"], e["steps_rolled_back"]) for e in restored],
+            "restore_parts": {k: [e[k] for e in restored if k in e] for k in ("reform_s", "find_s", "load_s")}, "stall": stall, "wall": wall, "state": summary["state"], "recoveries": summary["failures_recovered"],
             "losses": len(losses), "detect": detect, "notice_seen": notice_seen, "recover": recover,
             "curve": [(r["time"] - t0, r["step"]) for r in rows], "marks": [t - t0 for t in losses]}
 
@@ -234,6 +238,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stateful-market", default="on-demand", choices=["on-demand", "spot", "any"],
                     help="driver.stateful_market: where the stateful roles (shards, learners, trainers) go")
+    ap.add_argument("--hot-spares", type=int, default=0, help="driver.hot_spares: started spare actors per stateful gang")
     ap.add_argument("--out", default=".", help="folder for the PNG plots")
     args = ap.parse_args()
     out = Path(args.out)
@@ -247,7 +252,7 @@ def main() -> None:
         for name in SPOT:
             market.add_node("spot", speed=1.0, cpus=2, name=name)
         print(f"preemptions every {args.every:g} s ({args.notice:g} s notice in notice mode), {args.duration:g} s per run, "
-              f"stateful roles on {args.stateful_market}; price per CPU-hour: on-demand 1, spot {PRICE['spot']}")
+              f"stateful roles on {args.stateful_market}, {args.hot_spares} hot spare(s) per stateful gang; price per CPU-hour: on-demand 1, spot {PRICE['spot']}")
         for job in args.workloads:
             results = [run_one(market, job, mode, args, runs) for mode in args.modes]
             base = next((r for r in results if r["mode"] == "fault-free"), None)
@@ -260,6 +265,10 @@ def main() -> None:
                 det = fmt(r["notice_seen"]) + " notice" if r["mode"] == "notice" else fmt(r["detect"])
                 back = ", ".join(f"{src} ({n})" for src, n in r["restored"]) or "-"
                 print(f"{r['mode']:<12}{r['steps']:>7}{rate:>9.2f}{ratio:>7}{cost:>11.4f}  {r['losses']:>6}  {r['recoveries']:>10}  {r['stall']:4.1f}s  {det:<20} {fmt(r['recover']):<37} {back}")
+            for r in results:
+                if any(r["restore_parts"].values()):
+                    print(f"  {r['mode']}: restores' seconds (median, max): " + ", ".join(
+                        f"{k[:-2]} {statistics.median(v):.2f}/{max(v):.2f}" for k, v in r["restore_parts"].items() if v))
             print(f"plot: {plot(job, results, out)}", flush=True)
             (out / f"spot_{job}.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in results], indent=1))
     finally:

@@ -173,7 +173,7 @@ class Driver(StateMachine):
             runlog.event("placement_wait", wait_s=self.config.placement_wait_s, error=str(exc))
 
         cluster, the_plan = plan_when_free(roles, self._cluster_source, self.config.placement_wait_s, waiting, counts)
-        ctx = self._ctx = Context(cluster, the_plan, store, self.run_dir, runlog, Groups(roles, the_plan))
+        ctx = self._ctx = Context(cluster, the_plan, store, self.run_dir, runlog, Groups(roles, the_plan, spares=self.config.hot_spares))
         self._ckpt = Checkpointer(store, CheckpointPolicy(self.config.checkpoint_every_steps, self.config.checkpoint_every_s), runlog)
         self._ckpt.replicate(self.config.replicate_every_steps, lambda: ctx.cluster)
         runlog.event("plan", assignments=[a.__dict__ for a in the_plan.assignments])
@@ -181,6 +181,7 @@ class Driver(StateMachine):
         short = self._elastic.report_shortfalls(roles, the_plan, runlog)
         self.workload.setup(ctx)
         ctx.groups.ready()
+        self._spares_said(ctx.groups, runlog)
         self._elastic.start(ctx, self.steps_done, control=self.config.control)
         self._elastic.keep_asks(short)
         if self.poll_events and self._monitor is None:
@@ -217,6 +218,10 @@ class Driver(StateMachine):
             self.last_metrics = metrics
             self.log.metrics(self.steps_done, {**metrics, **self._elastic.pool_sizes()})
             notice = self._nodes.react(self.steps_done)
+            if lost := self._ctx.groups.lost_stateful():  # type: ignore[union-attr]
+                # Ray marked their node dead: whatever still answers there (a process that has
+                # not yet noticed) is not the run's to keep using; restore them now, from memory.
+                raise _lost_ranks(lost, f"stateful ranks {lost} were on a node that was lost by the end of step {self.steps_done}")
             self._elastic.settle()
             self._elastic.control(self.steps_done)
             self._checkpoint(notice=notice)
@@ -269,10 +274,7 @@ class Driver(StateMachine):
             return self.workload.state_dict()
         except Exception as exc:
             if self._ctx is not None and (lost := self._ctx.groups.lost_stateful()):
-                err = GroupLost(f"stateful ranks {lost} were lost before their state was read for the checkpoint of step {self.steps_done}",
-                                ranks=[r for ranks in lost.values() for r in ranks], actor=",".join(map(str, (r for ranks in lost.values() for r in ranks))))
-                err.role = next(iter(lost))  # type: ignore[attr-defined] - the failure event's role
-                raise err from exc
+                raise _lost_ranks(lost, f"stateful ranks {lost} were lost before their state was read for the checkpoint of step {self.steps_done}") from exc
             raise
 
     @property
@@ -289,21 +291,40 @@ class Driver(StateMachine):
             raise DriverError(f"run {self.run_name!r} failed at step {self.steps_done}: {decision.reason}\n{self.checkpoint_hint()}") from last
         self.to(State.RUNNING, f"recovered from step {self.steps_done}")
 
+    def _spares_said(self, groups: Groups, runlog: RunLog) -> None:
+        """The hot spares asked for (``driver.hot_spares``), per gang, as an event (their
+        resources are the run's too); said on the terminal when the job has no gang to keep them."""
+        if not self.config.hot_spares:
+            return
+        spared = {name: {"spares": g.spares, "resources": dict(g.role.resources), "markets": g.spare_markets()}
+                  for name, g in groups.all().items() if getattr(g, "spares", 0)}
+        reason = "" if spared else ("this job has no gang (its pools replace a lost actor without stopping the step; "
+                                    "a trainer in a pool of one is replaced, not taken over), so driver.hot_spares has no effect")
+        if reason:
+            _say(f"driver.hot_spares={self.config.hot_spares}: {reason}")
+        runlog.event("hot_spares", asked=self.config.hot_spares, roles=spared, **({"reason": reason} if reason else {}))
+
     def _rebuild(self, exc: BaseException) -> None:
         """The groups re-formed (what the workload itself rebuilds first) and the newest checkpoint loaded."""
         assert self._ctx is not None and self._ckpt is not None
         ctx = self._ctx
         # No call of the failed step may run after the rollback (on a replacement above all):
         # it would change the state the checkpoint is about to restore.
+        t0 = time.monotonic()
         ctx.groups.abandon()
         self._refresh_cluster()
         self.workload.recover(ctx, exc)
         ctx.groups.reform()
+        t1 = time.monotonic()
         latest, state, _ = self._ckpt.newest()
+        t2 = time.monotonic()
         if latest is not None:
             rolled_back = self.steps_done - latest.step
             self._load(latest.step, state)
-            self.log.event("restored", step=latest.step, source="memory" if latest.path == "memory" else "store", steps_rolled_back=rolled_back)
+            # Where the recovery's seconds went: re-forming the groups (replacements started),
+            # finding the state's sources, loading it into the actors.
+            self.log.event("restored", step=latest.step, source="memory" if latest.path == "memory" else "store", steps_rolled_back=rolled_back,
+                           reform_s=round(t1 - t0, 3), find_s=round(t2 - t1, 3), load_s=round(time.monotonic() - t2, 3))
         ctx.groups.restored()
 
     def summary(self, error: BaseException | None) -> dict[str, Any]:
@@ -322,3 +343,12 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
         fn(*args)
     except Exception as exc:  # noqa: BLE001
         log.warning("%s failed while the run closed: %s", getattr(fn, "__qualname__", fn), exc)
+
+
+def _lost_ranks(lost: dict[str, list[int]], why: str) -> GroupLost:
+    """A recoverable loss of the ranks ``lost`` ({role: ranks}); the failure event names the first role."""
+    ranks = [r for rs in lost.values() for r in rs]
+    err = GroupLost(why, ranks=ranks, actor=",".join(map(str, ranks)))
+    err.role = next(iter(lost))  # type: ignore[attr-defined] - the failure event's role
+    return err
+

@@ -88,6 +88,11 @@ class DriverConfig:
     """Stateful actors that write their own checkpoint parts also hand a snapshot to a keeper
     on another node every N steps; a lost one is restored from that copy in memory (at most
     N steps run again), from the store only when the copy is gone too."""
+    hot_spares: int = cfg.field(0, ge=0)
+    """Started actors each gang (parameter shards and PS workers, a learner, XGBoost
+    trainers, pipeline stages) keeps beside its ranks, holding none: a lost rank is taken
+    over by a running spare, so a recovery does not wait seconds for a replacement to
+    start. Each spare reserves its role's resources where the cluster has room."""
     max_failures: int = cfg.field(3, ge=0)
     """Failures the run recovers from before it is FAILED."""
     max_recovery_s: float = cfg.field(600.0, ge=0)

@@ -174,6 +174,7 @@ class Gang(Membership):
         placer: Placer | None = None,
         max_start_failures: int = 3,
         start_timeout_s: float = 180.0,
+        spares: int = 0,
     ):
         """``on_join(rank, handle)`` returns an ObjectRef (or None) for the call that gives a
         newly ranked actor its identity; :meth:`form` gathers them. ``broken(error)`` says
@@ -184,7 +185,18 @@ class Gang(Membership):
         ``rank_name`` and ``actor_word`` are what a rank and its actor are called in
         messages (``shard``/``trainer``, ``stage``). An ``elastic`` gang's workload cuts
         its work over whoever is live: it may be resized within the role's bounds, and
-        :meth:`deal` gives out the ranks (see there)."""
+        :meth:`deal` gives out the ranks (see there).
+
+        ``spares``: started actors kept beside the ranks, holding none. A lost rank is then
+        taken over at the next :meth:`form` (an elastic gang: its workload's next deal over
+        at most ``target`` actors) by a spare that is already running, and a new spare
+        starts in the background, so a recovery does not wait for an actor to start
+        (seconds: a process, its imports, a GPU context). Spares start after the ranks and
+        only where the cluster has room; one that cannot be placed is a placement warning,
+        not an error."""
+        if not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"role {role.name!r}: spares={spares!r}: use a whole number, 0 or more")
+        self.spares = 0  # until the ranks have started (the membership sizes itself without them)
         self._ranks: dict[int, int] = {}  # rank -> member key
         self.elastic = elastic
         self._width: int | None = None  # an elastic gang's number of ranks, once dealt
@@ -196,6 +208,9 @@ class Gang(Membership):
         self.actor_word = actor_word
         super().__init__(role, actor_cls, actor_args=actor_args, size=size, placer=placer,
                          max_start_failures=max_start_failures, start_timeout_s=start_timeout_s)
+        if spares:  # after the ranks, so they are placed beside them (counted), not on their planned room
+            self.spares = spares
+            self._fill()
 
     # ---------------------------------------------------------------- ranks
 
@@ -209,6 +224,12 @@ class Gang(Membership):
         with self._lock:
             return {r: self._members[k].node_id for r, k in sorted(self._ranks.items()) if k in self._members}
 
+    def spare_markets(self) -> list[str]:
+        """The market of each started actor that holds no rank (the hot spares)."""
+        with self._lock:
+            held = set(self._ranks.values())
+            return sorted(m.market for m in self._members.values() if not m.retiring and m.key not in held)
+
     def missing(self) -> list[int]:
         """Ranks no live actor holds (until the next :meth:`form` or :meth:`deal`)."""
         with self._lock:
@@ -216,7 +237,7 @@ class Gang(Membership):
 
     @property
     def width(self) -> int:
-        """The number of ranks: the size, or what an elastic gang was last dealt."""
+        """The number of ranks: the size (``target``; spares not counted), or what an elastic gang was last dealt."""
         return self.target if self._width is None else self._width
 
     def deal(self, order: list[Any]) -> None:
@@ -239,7 +260,7 @@ class Gang(Membership):
         (lowest rank first), and ``on_join`` runs for each of them. Returns {rank:
         on_join's result} for the ranks that joined now (empty when none was missing)."""
         self.probe(timeout_s)
-        self.wait_ready(timeout_s)
+        self.wait_ready(timeout_s)  # the ranks' actors, not the spares: they are for the next loss
         with self._lock:
             held = set(self._ranks.values())
             free = [m for m in self._members.values() if m.ready and not m.retiring and m.key not in held]
@@ -311,6 +332,9 @@ class Gang(Membership):
             raise ValueError(f"role {self.role.name!r} is a gang of {self.target} ranks; its size cannot change while it runs (got {n!r})")
 
     # ---------------------------------------------------------------- membership hooks
+
+    def _keep(self) -> int:
+        return self.target + self.spares
 
     def _left(self, m: Member, reason: str) -> None:
         for r, k in list(self._ranks.items()):

@@ -167,7 +167,7 @@ class Membership:
             self._check_size(n)
             self.target = n
             active = [m for m in self._members.values() if not m.retiring]
-            extra = len(active) - n
+            extra = len(active) - self._keep()
             if extra > 0:
                 # Retire idle actors first, then spot before on-demand, newest first.
                 active.sort(key=lambda m: (bool(m.held()), m.market != "spot", -m.key))
@@ -193,7 +193,7 @@ class Membership:
         self._wait(n, timeout_s)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until ``target`` actors are ready; raises naming the reason if not in time."""
+        """Block until ``target`` actors are ready (a gang's spares not counted); raises naming the reason if not in time."""
         self._wait(None, timeout_s)
 
     def refresh(self) -> None:
@@ -269,6 +269,10 @@ class Membership:
     def _left(self, m: Member, reason: str) -> None:
         """Called (under the lock) when ``m`` died or was evicted; its calls are the caller's business."""
 
+    def _keep(self) -> int:
+        """Actors to keep started: the target (a gang keeps its hot spares on top)."""
+        return self.target
+
     def _watch(self) -> dict[Any, tuple[int, str]]:
         """References to wait on in :meth:`_pump`: the start-up of every actor not yet ready."""
         return {m.ready_ref: (m.key, "ready") for m in self._members.values() if not m.ready}
@@ -343,7 +347,7 @@ class Membership:
         with self._lock:
             if self._closed:
                 return
-            missing = self.target - sum(1 for m in self._members.values() if not m.retiring)
+            missing = self._keep() - sum(1 for m in self._members.values() if not m.retiring)
             if missing <= 0:
                 self._placement_error = None
                 return

@@ -36,8 +36,10 @@ def planned_placer(assignments: Sequence[Assignment], fallback: Placer = default
 class Groups:
     """Every group of one run, by role name, created from the run's roles and plan."""
 
-    def __init__(self, roles: Sequence[RoleSpec], plan: Plan, placer: Callable[[Sequence[Assignment]], Placer] = planned_placer):
+    def __init__(self, roles: Sequence[RoleSpec], plan: Plan, placer: Callable[[Sequence[Assignment]], Placer] = planned_placer, spares: int = 0):
+        """``spares``: hot spares each gang keeps (``driver.hot_spares``)."""
         self.roles = {r.name: r for r in roles}
+        self.spares = spares
         self.plan = plan
         self._placer = placer
         self._groups: dict[str, Membership] = {}
@@ -64,6 +66,8 @@ class Groups:
         old = self._groups.pop(role, None)
         if old is not None:  # the workload builds the role again (a restart of everything): the old actors go
             old.shutdown()
+        if kind is Gang and "spares" not in options:
+            options = {**options, "spares": self.spares}
         group = kind(spec, actor_cls, size=self.plan.count(role), placer=self._placer(self.plan.for_role(role)), **options)
         self._groups[role] = group
         return group

@@ -90,3 +90,37 @@ def test_a_learners_spot_node_lost_restores_it_from_memory(spot_cluster, tmp_pat
     assert {a["market"] for a in plan if a["role"] == "learner"} == {"spot"}, plan
     _restored_from_memory(run.events, "workload.learner")
     assert run.summary["final_metrics"]["env_steps"] >= 24_000
+
+
+def test_a_hot_spare_takes_over_the_learner_whose_spot_node_is_lost(spot_cluster, tmp_path):
+    """``driver.hot_spares=1``: a second learner actor runs beside the one holding the rank;
+    when the learner's node goes, the spare (already started) takes the rank and loads the
+    keeper's copy: no replacement is waited for."""
+    wait_all_free()
+    conf = PPOConfig(total_env_steps=24_000, target_return=None, workers=1, worker_cpus=0.5)
+    conf.driver = _driver(tmp_path, "learner-spare", 100_000)
+    conf.driver.hot_spares = 1
+    workload = PPOWorkload(conf)
+    driver = Driver(workload, conf.driver)
+    removed: list[str] = []
+    seen: dict[str, list[str]] = {}
+
+    def remove_the_learners_node():
+        workload.learner.wait_for(2, timeout_s=120)  # the rank's actor and the spare
+        [ranked] = workload.learner.handles().values()
+        spares = [h for h in workload.learner.actors() if h._actor_id != ranked._actor_id]
+        assert len(spares) == 1, spares
+        node = ray.get(ranked.info.remote(), timeout=30)["node_id"]
+        assert ray.get(spares[0].info.remote(), timeout=30)["node_id"] != node, "the spare was placed beside the learner"
+        seen["spare"] = [spares[0]._actor_id.hex()]
+        _remove_node_of(spot_cluster, driver, node, removed)
+
+    def learner_at_the_end():
+        seen["after"] = [h._actor_id.hex() for h in workload.learner.handles().values()]
+
+    run = drive(workload, driver, at={5: remove_the_learners_node}, before_close=learner_at_the_end)
+    assert removed and run.summary["state"] == "finished" and run.summary["failures_recovered"] >= 1, run.summary
+    assert seen["after"] == seen["spare"], seen  # the running spare holds the rank now, not a new actor
+    [spares] = [e for e in run.events if e["event"] == "hot_spares"]
+    assert spares["roles"] == {"learner": {"spares": 1, "resources": {"CPU": 1.0}, "markets": ["spot"]}}, spares
+    _restored_from_memory(run.events, "workload.learner")

@@ -28,6 +28,9 @@ class Ranked:
     def who(self) -> int | None:
         return self.rank
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def work(self, x: int, mode: str = "ok", delay: float = 0.0) -> int:
         time.sleep(delay)
         if mode == "bug":
@@ -169,3 +172,34 @@ def test_a_result_passed_from_a_dead_peer_fails_that_rank_without_evicting_it(ra
         assert gang.handles()[1] == h[1]
     finally:
         gang.shutdown()
+
+
+def test_a_hot_spare_takes_the_lost_rank_and_a_new_spare_starts(ray_local):
+    gang = make_gang(2, spares=1)
+    try:
+        pids = {r: v["pid"] for r, v in gang.form(timeout_s=60).items()}
+        assert sorted(pids) == [0, 1] and gang.width == 2
+        gang.wait_for(3, timeout_s=60)  # the spare too
+        ranked = set(map(id, gang.handles().values()))
+        spares = [h for h in gang.actors() if id(h) not in ranked]
+        assert len(spares) == 1
+        spare_pid = ray.get(spares[0].pid.remote(), timeout=30)
+        assert spare_pid not in pids.values() and ray.get(spares[0].who.remote(), timeout=30) is None
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(GroupLost):
+            gang.call("work", 1, timeout_s=60, grace_s=5)
+        joined = gang.form(timeout_s=60)
+        assert sorted(joined) == [1] and joined[1]["pid"] == spare_pid  # the running spare, not a new actor
+        assert gang.call("work", 1, timeout_s=60, grace_s=5) == {0: 10, 1: 11}
+        gang.wait_for(3, timeout_s=60)  # a new spare started in the background
+        assert len(gang.actors()) == 3 and len(gang.handles()) == 2
+        with pytest.raises(ValueError, match="gang of 2 ranks"):
+            gang.resize(3)
+    finally:
+        gang.shutdown()
+
+
+def test_spares_below_zero_are_refused_naming_the_value():
+    role = RoleSpec("ranked", {"CPU": 0.25}, count=2, stateful=True)
+    with pytest.raises(ValueError, match="spares=-1: use a whole number, 0 or more"):
+        Gang(role, Ranked, spares=-1)
