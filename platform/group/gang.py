@@ -257,7 +257,8 @@ class Gang(Membership):
     def form(self, timeout_s: float, grace_s: float | None = None) -> dict[int, Any]:
         """Every rank on a live actor. Lost actors are evicted (their replacements start
         at once), the gang waits until all are ready, free actors take the missing ranks
-        (lowest rank first), and ``on_join`` runs for each of them. Returns {rank:
+        (lowest rank first; an actor on a node where another just died last), and
+        ``on_join`` runs for each of them. Returns {rank:
         on_join's result} for the ranks that joined now (empty when none was missing)."""
         self.probe(timeout_s)
         self.wait_ready(timeout_s)  # the ranks' actors, not the spares: they are for the next loss
@@ -265,7 +266,7 @@ class Gang(Membership):
             held = set(self._ranks.values())
             free = [m for m in self._members.values() if m.ready and not m.retiring and m.key not in held]
             order = self._rank_order if (self._rank_order is not None and not self._ranks) else None
-            free.sort(key=(lambda m: (order(m.node_id), m.node_id, m.key)) if order else (lambda m: m.key))
+            free.sort(key=(lambda m: (order(m.node_id), m.node_id, m.key)) if order else (lambda m: (self._suspect(m), m.key)))
             joined = dict(zip(self.missing(), free))
             for r, m in joined.items():
                 self._ranks[r] = m.key
@@ -342,6 +343,12 @@ class Gang(Membership):
                 del self._ranks[r]
 
     # ---------------------------------------------------------------- internals
+
+    def _suspect(self, m: Member, window_s: float = 30.0) -> bool:
+        """Whether ``m`` was started before an actor on its node died (within ``window_s``):
+        the node may be going before Ray says so, so a free actor elsewhere takes a rank first."""
+        died = self._recent_dead_nodes.get(m.node_id)
+        return died is not None and m.created < died and time.monotonic() - died < window_s
 
     def _actor_ids(self) -> dict[int, str]:
         with self._lock:

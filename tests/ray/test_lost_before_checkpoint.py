@@ -55,3 +55,32 @@ def test_shards_evicted_between_a_step_and_its_checkpoint_are_recovered_and_the_
     assert restored["step"] == max(ckpts) and 0 <= failure["step"] - restored["step"] <= 2, (restored, ckpts)
     exact = ("loss", "auc")
     assert {k: run.summary["final_metrics"][k] for k in exact} == {k: calm.summary["final_metrics"][k] for k in exact}
+
+
+def test_a_rank_evicted_by_the_end_of_a_step_is_restored_at_that_boundary_not_used_again(tmp_path):
+    """A rank that left its gang by the end of a step (its node was lost: the driver evicted
+    it) is not used again, whatever its process still answers: the driver restores at that
+    step boundary, before the checkpoint, and the run ends as one without the loss."""
+    calm = drive(PSCTRWorkload(make(tmp_path, "calm2")), make(tmp_path, "calm2").driver)
+    conf = make(tmp_path, "end-of-step")
+    workload = PSCTRWorkload(conf)
+    driver = Driver(workload, conf.driver)
+    own_step = workload.step
+    evicted: list[str] = []
+
+    def step(i: int):
+        out = own_step(i)
+        if i == 3 and not evicted:  # what the driver's node reactions do on a NodeLost seen at this boundary
+            node = ray.get(workload.shards[0].where.remote(), timeout=30)["node"]
+            workload.shard_gang.evacuate(node, "node lost")
+            evicted.append(node)
+        return out
+
+    workload.step = step
+    run = drive(workload, driver)
+    assert evicted and run.summary["state"] == "finished" and run.summary["failures_recovered"] == 1, run.summary
+    failure = next(e for e in run.events if e["event"] == "failure")
+    assert failure["role"] == "param_shard" and "were on a node that was lost by the end of step 4" in failure["error"], failure
+    assert not [e for e in run.events if e["event"] == "checkpoint" and e["step"] == 4 and run.events.index(e) < run.events.index(failure)]
+    exact = ("loss", "auc")
+    assert {k: run.summary["final_metrics"][k] for k in exact} == {k: calm.summary["final_metrics"][k] for k in exact}
