@@ -193,7 +193,7 @@ class Membership:
         self._wait(n, timeout_s)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until ``target`` actors are ready (a gang's spares not counted); raises naming the reason if not in time."""
+        """Block until ``target`` actors are ready (a gang's ready spare counts: it can take a rank); raises naming the reason if not in time."""
         self._wait(None, timeout_s)
 
     def refresh(self) -> None:
