@@ -115,6 +115,7 @@ class Checkpointer:
         self.uses_parts = False  # the workload's state has parts (seen at its first checkpoint)
         self.replicas_deferred = 0  # steps not replicated since the last checkpoint event: the newest cut's copies were still travelling
         self._deferred_said = False
+        self.on_commit: Callable[[CheckpointInfo], None] | None = None  # called with every checkpoint committed
 
     def replicate(self, every_steps: int, cluster: Callable[[], ClusterView]) -> None:
         """Keep a replica of every part's snapshot in a keeper's memory every ``every_steps``
@@ -122,14 +123,18 @@ class Checkpointer:
         self.replicate_every = every_steps
         self.keepers = Keepers(cluster, lambda msg: (say(msg), self.log.event("replica_alone", reason=msg)))
 
-    def maybe(self, step: int, state: Callable[[], dict[str, Any]], *, notice: bool = False, final: bool = False, force: str = "") -> CheckpointInfo | None:
+    def maybe(self, step: int, state: Callable[[], dict[str, Any]], *, notice: bool = False, final: bool = False, force: str = "",
+              soon: str = "") -> CheckpointInfo | None:
         """Write ``state()`` as checkpoint ``step`` when the policy (or ``force``, the reason)
-        says so; a checkpoint in flight is committed first once its parts are written. Between
+        says so, or ``soon`` (a reason too) asks for it without waiting for the parts to be
+        written; a checkpoint in flight is committed first once its parts are written. Between
         checkpoints, a workload with parts is snapshotted and replicated to keepers every
         ``replicate_every`` steps."""
         self.settle(wait=notice or final or bool(force))  # a notice, a stop, the end: nothing left in flight
         status = CheckpointStatus(step, self.last_step, self.last_time, time.time(), notice=notice, final=final)
         save, why = (True, force) if force else self.policy.decide(status)
+        if not save and soon and self.last_step != step:
+            save, why = True, soon
         wants_cut = self.keepers is not None and (self.memory is None or self.memory.step != step)
         due = wants_cut and self.uses_parts and self.replicate_every > 0 and step % self.replicate_every == 0
         replicate = due and self._copies_landed()
@@ -240,6 +245,8 @@ class Checkpointer:
         if self.replicas_deferred:
             extra["replicas_deferred"], self.replicas_deferred = self.replicas_deferred, 0
         self.log.event("checkpoint", step=info.step, reason=why, seconds=seconds, **extra)
+        if self.on_commit is not None:
+            self.on_commit(info)
 
     def loaded(self, step: int) -> None:
         """The run's state is checkpoint ``step`` now (written, or loaded on resume and recovery)."""

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from raylane.checkpoint import CheckpointStore, CheckpointWriteError
+from raylane.best import Best, Verdict, rule_for
+from raylane.best_store import BestStore
+from raylane.checkpoint import CheckpointInfo, CheckpointStore, CheckpointWriteError
 from raylane.cluster import ClusterView
 from raylane.elastic import Elasticity
 from raylane.errors import GroupLost
@@ -64,7 +66,16 @@ class Driver(StateMachine):
         self.resumed_from: int | None = None
         self.last_metrics: dict[str, Any] = {}
         self.stop_reason: str | None = None
+        self.end_reason: str | None = None  # why the run FINISHED or STOPPED
         self.started_at = time.time()
+        try:
+            rule = rule_for(config, workload)
+        except ValueError as exc:
+            raise DriverError(str(exc)) from None
+        self._best = Best(rule) if rule is not None else None
+        self._best_store: BestStore | None = None
+        self._best_pending: int | None = None  # the step whose checkpoint is to be kept as the best once committed
+        self.best_kept: dict[str, Any] | None = None
         self._ckpt: Checkpointer | None = None
         self._ctx: Context | None = None
         self._nodes: NodeReactions | None = None
@@ -176,6 +187,10 @@ class Driver(StateMachine):
         ctx = self._ctx = Context(cluster, the_plan, store, self.run_dir, runlog, Groups(roles, the_plan, spares=self.config.hot_spares))
         self._ckpt = Checkpointer(store, CheckpointPolicy(self.config.checkpoint_every_steps, self.config.checkpoint_every_s), runlog)
         self._ckpt.replicate(self.config.replicate_every_steps, lambda: ctx.cluster)
+        self._ckpt.on_commit = self._committed
+        if self._best is not None and self._best.rule.keep:
+            self._best_store = BestStore(store)
+            self.best_kept = self._best_store.record()
         runlog.event("plan", assignments=[a.__dict__ for a in the_plan.assignments])
         check_spot_roles(roles, the_plan, cluster)
         short = self._elastic.report_shortfalls(roles, the_plan, runlog)
@@ -224,9 +239,17 @@ class Driver(StateMachine):
                 raise _lost_ranks(lost, f"stateful ranks {lost} were on a node that was lost by the end of step {self.steps_done}")
             self._elastic.settle()
             self._elastic.control(self.steps_done)
-            self._checkpoint(notice=notice)
+            verdict = self._best.see(self.steps_done, metrics) if self._best is not None else Verdict()
+            soon = ""
+            if verdict.improved and self._best_store is not None:
+                self._best_pending = self.steps_done
+                soon = f"best {self._best.rule.metric} so far ({self._best.value:.6g})"  # type: ignore[union-attr]
+            self._checkpoint(notice=notice, soon=soon)
             if self.workload.done(self.steps_done, metrics):
                 return self._end(State.FINISHED, "workload reached its target", metrics)
+            if verdict.stop:
+                _say(verdict.stop)
+                return self._end(State.FINISHED, verdict.stop, metrics)
             return Stepped(self.state, self.steps_done, metrics, self._ckpt.newest_written)
         except (NonFiniteError, DriverError, KeyboardInterrupt):
             raise
@@ -239,12 +262,15 @@ class Driver(StateMachine):
         assert self._ctx is not None and self._ckpt is not None
         self._checkpoint(final=not force, force=force)
         self.workload.finish(self._ctx)
+        self.end_reason = why
         self.to(state, why)
         return Stepped(self.state, self.steps_done, metrics or {}, self._ckpt.newest_written)
 
     def _load(self, step: int, state: dict) -> None:
         assert self.log is not None and self._ckpt is not None
         self.workload.load_state_dict(state["workload"])
+        if self._best is not None:  # patience counts on from where the checkpoint was
+            self._best.load(state.get("driver", {}).get("best"))
         self.log.rewind(step, f"replayed from the checkpoint of step {step}")  # steps past it run again: their first values leave
         self.steps_done = step
         self._ckpt.loaded(step)
@@ -259,13 +285,35 @@ class Driver(StateMachine):
     def checkpoint_hint(self) -> str:
         return "No checkpoint was written." if self._ctx is None else self._ctx.store.hint()
 
-    def _checkpoint(self, *, notice: bool = False, final: bool = False, force: str = "") -> None:
+    def _checkpoint(self, *, notice: bool = False, final: bool = False, force: str = "", soon: str = "") -> None:
         assert self._ckpt is not None
         try:
-            self._ckpt.maybe(self.steps_done, lambda: {"workload": self._workload_state(), "driver": {"step": self.steps_done, "run": self.run_name}},
-                             notice=notice, final=final, force=force)
+            self._ckpt.maybe(self.steps_done, lambda: {"workload": self._workload_state(), "driver": self._driver_state()},
+                             notice=notice, final=final, force=force, soon=soon)
         except CheckpointWriteError as exc:  # no retry heals a full disk: the run ends here, saying why
             raise DriverError(f"run {self.run_name!r} stopped at step {self.steps_done}: {exc}. {self.checkpoint_hint()}") from exc
+
+    def _driver_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self.steps_done, "run": self.run_name}
+        if self._best is not None:
+            state["best"] = self._best.state()
+        return state
+
+    def _committed(self, info: CheckpointInfo) -> None:
+        """A checkpoint was committed: the best evaluation's is copied apart (``keep_best``),
+        unless the copy already kept is better (a run that rolled back and did not reach it again)."""
+        if self._best_store is None or self._best is None or info.step != self._best_pending:
+            return
+        self._best_pending = None
+        rule, value = self._best.rule, self._best.value
+        kept = self.best_kept
+        if (kept is not None and kept.get("metric") == rule.metric and kept.get("mode") == rule.mode
+                and kept.get("value") is not None and value is not None and rule.better(float(kept["value"]), value, min_delta=0.0)):
+            self.log.event("best_not_replaced", step=info.step, value=value, kept_step=kept["step"], kept_value=kept["value"],  # type: ignore[union-attr]
+                           reason="the copy kept is better: it was reached before the run rolled back")
+            return
+        self.best_kept = self._best_store.keep(info.step, {"metric": rule.metric, "mode": rule.mode, "value": value})
+        self.log.event("best_kept", step=info.step, metric=rule.metric, value=value, path=self.best_kept["path"])  # type: ignore[union-attr]
 
     def _workload_state(self) -> dict:
         """The workload's state; read while a stateful rank is gone (its node was lost at this
@@ -334,7 +382,16 @@ class Driver(StateMachine):
             "resumed_from": self.resumed_from, "failures_recovered": self._recovery.recovered, "checkpoints_written": self.checkpoints_written,
             "error": None if error is None else f"{type(error).__name__}: {error}",
             "stop_reason": self.stop_reason if self.state is State.STOPPED else None, "run_dir": str(self.run_dir),
+            "end_reason": self.end_reason, **({"best": self._best_summary()} if self._best is not None else {}),
         }
+
+    def _best_summary(self) -> dict[str, Any]:
+        """The best evaluation and, with ``keep_best``, the checkpoint kept for it."""
+        assert self._best is not None
+        out = self._best.summary()
+        if self.best_kept is not None:
+            out["kept"] = {k: self.best_kept[k] for k in ("step", "value", "path")}
+        return out
 
 
 def _quietly(fn: Callable[..., Any], *args: Any) -> None:

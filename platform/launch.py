@@ -83,7 +83,14 @@ def summary_line(job: str, summary: dict) -> str:
         return (f"{job}: stopped at step {summary['steps']} ({summary.get('stop_reason') or 'stop requested'}); "
                 f"run again with --run-name {summary['run']} to continue")
     metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary["final_metrics"].items())
-    return f"{job}: {summary['state']} after {summary['steps']} steps in {summary['wall_time_s']:.1f} s; {metrics}"
+    line = f"{job}: {summary['state']} after {summary['steps']} steps in {summary['wall_time_s']:.1f} s; {metrics}"
+    if (why := summary.get("end_reason")) and why != "stop condition reached":
+        line += f" ({why})"
+    if (best := summary.get("best")) and best.get("value") is not None:
+        kept = best.get("kept") or {}
+        line += f"; best {best['metric']}={kept.get('value', best['value']):.4g} at step {kept.get('step', best['step'])}"
+        line += f", kept in {kept['path']}" if kept else ""
+    return line
 
 
 def job_main(spec: JobSpec, argv: Sequence[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from raylane import config as cfg
 from raylane import runrecord
+from raylane.best import rule_for
 from raylane.registry import JobSpec
 from raylane.runlog import RunLog, say
 from raylane.runpaths import RunPathError, check_run_name
@@ -77,11 +78,18 @@ def build(spec: JobSpec, conf: Any, *, quiet: bool = False) -> Any:
     """The job's workload for ``conf``, its inputs read once (:func:`read_inputs`)."""
     inputs = read_inputs(spec, conf, quiet=quiet)
     try:
-        return spec.build(conf) if spec.prepare is None else spec.build(conf, inputs)
+        workload = spec.build(conf) if spec.prepare is None else spec.build(conf, inputs)
     except cfg.ConfigError:
         raise
     except (ValueError, FileNotFoundError) as exc:
         raise cfg.ConfigError(f"{spec.name}: {exc}") from exc
+    if (driver := getattr(conf, "driver", None)) is not None:
+        try:  # the metric keep_best and early_stop compare is one the job reports (known once it is built)
+            rule_for(driver, workload)
+        except ValueError as exc:
+            workload.close()
+            raise cfg.ConfigError(f"{spec.name}: {exc}") from None
+    return workload
 
 
 def begin(spec: JobSpec, conf: Any, run_dir: Path, changes: list, events: Sequence[dict] = (), *, quiet: bool = False) -> Any:

@@ -84,6 +84,21 @@ class DriverConfig:
     """Checkpoint when this many seconds passed since the last one (0: off)."""
     keep_checkpoints: int = cfg.field(3, ge=1)
     """Keep the newest K checkpoints."""
+    keep_best: bool = False
+    """Keep the checkpoint of the best evaluation of ``best_metric`` apart from the rotation,
+    in ``<checkpoints>/best/`` (an evaluation that improves on the best is checkpointed at
+    once, in the background where the job's actors write their own parts); the summary
+    names its step, value and folder."""
+    best_metric: str = ""
+    """The metric ``keep_best`` and ``early_stop_patience`` compare (one the job reports); empty: the job's main metric."""
+    best_mode: Literal["auto", "max", "min"] = "auto"
+    """Whether a higher (``max``) or lower (``min``) ``best_metric`` is better; ``auto``: from its name (auc, acc, return: max; loss, error: min)."""
+    early_stop_patience: int = cfg.field(0, ge=0)
+    """End the run (FINISHED, the reason in the summary) after this many evaluations of
+    ``best_metric`` in a row without an improvement; 0: never. Steps that do not report the
+    metric are not evaluations."""
+    early_stop_min_delta: float = cfg.field(0.0, ge=0)
+    """An evaluation improves on the best only when it beats it by more than this."""
     replicate_every_steps: int = cfg.field(1, ge=1)
     """Stateful actors that write their own checkpoint parts also hand a snapshot to a keeper
     on another node every N steps; a lost one is restored from that copy in memory (at most

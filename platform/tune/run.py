@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from raylane import config as cfg
+from raylane.best import metric_mode  # noqa: F401 - also raylane.tune.run's
 from raylane.errors import short_error
 from raylane.tune.space import SearchSpaceError, Spec, check_space, flatten, trial_config, trial_count
 
 SCHEDULERS = ("none", "asha", "pbt")
-_MAX = re.compile(r"(acc|auc|return|reward|score|f1|precision|recall|per_s|throughput)", re.I)
-_MIN = re.compile(r"(loss|error|rmse|mae|logloss|perplexity|regret|_s$)", re.I)
 
 
 @dataclass
@@ -93,13 +91,6 @@ class Prepared:
     roles: list
     max_steps: int
     notes: list[str] = field(default_factory=list)
-
-
-def metric_mode(metric: str) -> str | None:
-    """``max`` for returns, accuracies, AUCs, rates; ``min`` for losses and errors; None when the name says neither."""
-    if _MAX.search(metric):
-        return "max"
-    return "min" if _MIN.search(metric) else None
 
 
 def prepare(search: Search) -> Prepared:
