@@ -39,12 +39,22 @@ class CTRTable:
     """Columns read as numeric features (a missing value reads as 0)."""
     missing: tuple[tuple[str, int], ...] = ()
     """(numeric column, its missing cells, read as 0) for the columns that have any."""
+    positives: int = 0
+    """Rows labelled 1 (clicked), over the whole table."""
+    columns: tuple[str, ...] = ()
+    """Every column of the table, used or not."""
+    scale: tuple[tuple[float, float], ...] = ()
+    """(mean, standard deviation) of each numeric column over its present cells: rows are read
+    as ``(x - mean) / sd``, a missing cell as 0 (the mean). Empty: read as they are."""
 
 
-def describe_ctr(path: str, *, label: str, categorical: Sequence[str] = (), numeric: Sequence[str] = (), fmt: str = "auto") -> CTRTable:
+def describe_ctr(path: str, *, label: str, categorical: Sequence[str] = (), numeric: Sequence[str] = (), fmt: str = "auto",
+                 standardize: bool = False) -> CTRTable:
     """Check a click table's schema and labels on the driver. With neither list given,
     string columns are categorical and numeric columns numeric; naming ``categorical``
-    makes those (integers included) categorical and every other number numeric."""
+    makes those (integers included) categorical and every other number numeric.
+    ``standardize``: each numeric column is read scaled to mean 0 and sd 1 (its statistics
+    taken in the same pass; they hold no label)."""
     import pyarrow as pa
 
     fmt, files = list_files(path, fmt)
@@ -84,6 +94,8 @@ def describe_ctr(path: str, *, label: str, categorical: Sequence[str] = (), nume
     # The numeric columns are read here too: a missing cell is meant (it reads as 0, counted
     # for the run's read-out), an infinite one is not, and the model would take it silently.
     tally = CellTally(num)
+    sums = np.zeros((3, len(num)))  # present cells, their sum and sum of squares, per numeric column
+    positives = 0
     for part in parts:
         table = read_file_columns(fs, part, fmt, [label, *num], {c: pa.float64() for c in (label, *num)})
         y = table.column(label)
@@ -91,14 +103,44 @@ def describe_ctr(path: str, *, label: str, categorical: Sequence[str] = (), nume
         if bad is not None:
             i, value = bad
             raise SourceError(f"data.label: column {label!r} of {path!r} holds {value!r} at row {at + i}; a label is 0 or 1 (clicked or not)")
-        for c in num:
-            tally.add(c, float32_cells(table.column(c)), at)
+        positives += int(np.count_nonzero(y.to_numpy(zero_copy_only=False) == 1.0))
+        for j, c in enumerate(num):
+            cells = float32_cells(table.column(c))
+            tally.add(c, cells, at)
+            present = cells[np.isfinite(cells)].astype(np.float64)
+            sums[:, j] += (len(present), present.sum(), np.square(present).sum())
         counted.append(FilePart(part.path, table.num_rows, part.row_groups))
         at += table.num_rows
-    tally.refuse_infinite("data.numeric", path, "", f"a missing value reads as 0, an infinite one has no meaning: replace those cells with a finite "
-                          f"value or leave them empty, or leave the column out (name the columns to use in data.numeric)")
+    tally.refuse_infinite("data.numeric", path, "", "a missing value reads as 0, an infinite one has no meaning: replace those cells with a finite "
+                          "value or leave them empty, or leave the column out (name the columns to use in data.numeric)")
     spec = TableSpec(fmt, path, at, tuple(cat) + tuple(num), label, files=tuple(counted))
-    return CTRTable(spec, tuple(cat), tuple(num), tuple(tally.missing_counts().items()))
+    scale = ()
+    if standardize:
+        mean = sums[1] / np.maximum(sums[0], 1)
+        sd = np.sqrt(np.maximum(sums[2] / np.maximum(sums[0], 1) - mean ** 2, 0.0))
+        scale = tuple((float(m), float(s) if s > 1e-12 else 1.0) for m, s in zip(mean, sd))  # a constant column stays centred at 0
+    return CTRTable(spec, tuple(cat), tuple(num), tuple(tally.missing_counts().items()), positives, names, scale)
+
+
+def read_out(t: CTRTable, train_rows: int, held_out: int, held_out_clicked: int) -> tuple[str, dict]:
+    """(a line, an event's fields) saying what a run read from the table: each column's role
+    (label, embedding field, numeric, not used), the rows trained on and held out (the last
+    ``held_out``), the share clicked in each, and the missing cells."""
+    train_clicked = t.positives - held_out_clicked
+    roles = {t.spec.label: "label", **{c: "embedding field" for c in t.categorical},
+             **{c: "numeric" + (" (standardised)" if t.scale else "") for c in t.numeric}}
+    roles.update({c: "not used" for c in t.columns if c not in roles})
+    unused = [c for c, r in roles.items() if r == "not used"]
+    as_what = "the mean" if t.scale else "0"
+    missing = f"; missing cells read as {as_what}: " + ", ".join(f"{col} ({n})" for col, n in t.missing) if t.missing else ""
+    line = (f"read {t.spec.rows:,} rows of {t.spec.name}: label {t.spec.label!r}; embedding fields {', '.join(t.categorical)}; "
+            f"numeric {', '.join(t.numeric) or 'none'}{'; not used: ' + ', '.join(unused) if unused else ''}; "
+            f"{train_rows:,} rows train ({train_clicked / max(train_rows, 1):.1%} clicked), the last {held_out:,} held out "
+            f"({held_out_clicked / max(held_out, 1):.1%} clicked){missing}")
+    event = dict(path=t.spec.name, rows=t.spec.rows, label=t.spec.label, roles=roles, categorical=list(t.categorical), numeric=list(t.numeric),
+                 standardized={c: {"mean": m, "sd": s} for c, (m, s) in zip(t.numeric, t.scale)}, train_rows=train_rows,
+                 held_out_rows=held_out, train_clicked=train_clicked, held_out_clicked=held_out_clicked, missing=dict(t.missing))
+    return line, event
 
 
 def _not_binary(column) -> tuple[int, object] | None:
@@ -139,7 +181,7 @@ def _bucket(text: str, buckets: int) -> int:
 
 def read_ctr_rows(table: CTRTable, buckets: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows ``[start, stop)`` as the generated data comes: ids ``[n, fields, 1]`` int64,
-    numeric ``[n, numeric]`` float32 (missing: 0), labels ``[n]`` float32."""
+    numeric ``[n, numeric]`` float32 (scaled by ``table.scale``; missing: 0), labels ``[n]`` float32."""
     import pyarrow as pa
 
     spec, n = table.spec, stop - start
@@ -164,5 +206,9 @@ def read_ctr_rows(table: CTRTable, buckets: int, start: int, stop: int) -> tuple
         raise SourceError(f"data.path {spec.name!r}: read {filled} rows for [{start}, {stop}); the files changed since the job started")
     # The driver refused infinite cells; seeing one here means the files changed since.
     tally.refuse_infinite("data.numeric", spec.name, f", rows [{start}, {stop})", "the files changed since the job checked them: fix them and start again")
-    numeric[np.isnan(numeric)] = 0.0  # missing reads as 0; np.nan_to_num would also turn an infinity into float32's largest number
+    if table.scale:
+        mean, sd = (np.array(v, np.float32) for v in zip(*table.scale))
+        numeric -= mean
+        numeric /= sd
+    numeric[np.isnan(numeric)] = 0.0  # missing reads as 0 (the mean, when scaled); np.nan_to_num would also turn an infinity into float32's largest number
     return ids, numeric, labels

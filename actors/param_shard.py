@@ -77,6 +77,9 @@ class ShardConfig:
     """Seed of the embedding rows' initial values."""
     wait_timeout_s: float = 60.0
     """Longest a pull waits for other workers' clocks before it fails."""
+    weight_decay: float = 0.0
+    """L2 added to every gradient applied (``grad + weight_decay * value``): the dense
+    tensors at every update, an embedding row at every update that touches it."""
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -98,6 +101,8 @@ def check_config(c: ShardConfig) -> None:
             raise ValueError(f"table {name!r}: embedding dim must be a whole number >= 1, got {dim!r}")
     if not c.lr > 0:
         raise ValueError(f"lr must be > 0, got {c.lr}")
+    if not c.weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {c.weight_decay}")
 
 
 class _Table:
@@ -158,7 +163,7 @@ class ShardCore:
 
     def __init__(self, config: ShardConfig):
         self.config = config
-        self.opt = UpdateRule(config.optimizer, config.lr)
+        self.opt = UpdateRule(config.optimizer, config.lr, config.weight_decay)
         self.dense: dict[str, np.ndarray] = {n: np.zeros(b - a, np.float32) for n, (a, b) in config.dense.items()}
         self.dense_state = {n: {s: np.zeros(b - a, np.float32) for s in self.opt.slots()} for n, (a, b) in config.dense.items()}
         self.dense_steps = 0

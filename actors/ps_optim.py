@@ -17,13 +17,14 @@ OPTIMIZERS = ("sgd", "adagrad", "adam")
 
 
 class UpdateRule:
-    """One of :data:`OPTIMIZERS` by name, at learning rate ``lr``; :meth:`slots` names the
-    state arrays a value needs beside it (zeros to start)."""
+    """One of :data:`OPTIMIZERS` by name, at learning rate ``lr``, with L2 ``weight_decay``
+    added to the gradient as torch's optimizers add it (``grad + weight_decay * value``);
+    :meth:`slots` names the state arrays a value needs beside it (zeros to start)."""
 
     ADAGRAD_EPS, BETAS, ADAM_EPS = 1e-10, (0.9, 0.999), 1e-8
 
-    def __init__(self, name: str, lr: float):
-        self.name, self.lr = name, np.float32(lr)
+    def __init__(self, name: str, lr: float, weight_decay: float = 0.0):
+        self.name, self.lr, self.weight_decay = name, np.float32(lr), np.float32(weight_decay)
 
     def slots(self) -> tuple[str, ...]:
         return {"sgd": (), "adagrad": ("acc",), "adam": ("m", "v")}[self.name]
@@ -31,6 +32,8 @@ class UpdateRule:
     def update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray | int) -> None:
         """In place on ``value`` (and ``state``); ``step`` is the update's number (from 1),
         per row for embedding rows."""
+        if self.weight_decay:
+            grad = grad + self.weight_decay * value
         if self.name == "sgd":
             value -= self.lr * grad
         elif self.name == "adagrad":

@@ -63,6 +63,10 @@ class CTRDataConfig:
     """Numeric feature columns (a missing value reads as 0). Empty: every number not in categorical."""
     format: str = cfg.field("auto", choices=("auto", "parquet", "csv"))
     """File format; auto reads it from the extension (.parquet, .pq, .csv)."""
+    standardize: bool = True
+    """Read each numeric column scaled to mean 0 and standard deviation 1 (a missing cell as
+    its mean): a price in the thousands next to a 0/1 flag otherwise swamps the MLP's first
+    layer. The statistics are taken when the table is checked, over every row (no labels)."""
 
 
 @dataclass
@@ -99,6 +103,10 @@ class PSCTRConfig:
     """Optimizer on the shards (per-row state for embedding rows; adam's step count is per row)."""
     lr: float = cfg.field(0.05, gt=0)
     """Learning rate."""
+    weight_decay: float = cfg.field(0.0, ge=0)
+    """L2 regularisation, added to each gradient the shards apply as torch's optimizers add
+    it (``grad + weight_decay * value``): the MLP's tensors at every update, an embedding
+    row at every update that touches it (rows no batch touches are left as they are)."""
     batch_size: int = cfg.field(512, ge=1)
     """Rows per worker per clock."""
     clocks_per_step: int = cfg.field(20, ge=1)
@@ -117,8 +125,9 @@ class PSCTRConfig:
     """Longest a pull waits for other workers' clocks (a lost worker shows up as this)."""
     step_timeout_s: float = cfg.field(300.0, gt=0)
     """Longest one step may take."""
-    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=15, checkpoint_every_steps=5))
-    """Run name, stop rules, checkpoints."""
+    driver: DriverConfig = field(default_factory=lambda: DriverConfig(max_steps=15, checkpoint_every_steps=5, keep_best=True))
+    """Run name, stop rules, checkpoints. The step of the best held-out AUC is kept (``keep_best``):
+    on a sparse click log the model overfits after a few passes while its training loss still falls."""
 
     def validate(self) -> None:
         if self.workers > MAX_WORKERS:
@@ -138,7 +147,7 @@ class PSCTRConfig:
         d = self.data
         if d.path is None:
             return None
-        table = ctr_files.describe_ctr(d.path, label=d.label, categorical=d.categorical, numeric=d.numeric, fmt=d.format)
+        table = ctr_files.describe_ctr(d.path, label=d.label, categorical=d.categorical, numeric=d.numeric, fmt=d.format, standardize=d.standardize)
         if table.spec.rows < self.eval_rows + self.workers:
             raise ValueError(f"data.path {d.path!r} has {table.spec.rows} rows; eval_rows ({self.eval_rows}) are held out and each of "
                              f"the {self.workers} workers needs at least one: lower eval_rows or give more rows")
@@ -228,7 +237,8 @@ class PSCTRWorkload(BaseWorkload):
     def shard_config(self, i: int) -> ShardConfig:
         c = self.config
         tables = {ctr.table_name(f): c.embedding_dim for f in range(self.shape.fields)}
-        return ShardConfig(i, c.shards, c.workers, dict(self.slices[i]), tables, c.mode, c.staleness, c.optimizer, c.lr, c.init_scale, c.seed, c.wait_timeout_s)
+        return ShardConfig(i, c.shards, c.workers, dict(self.slices[i]), tables, c.mode, c.staleness, c.optimizer, c.lr, c.init_scale, c.seed, c.wait_timeout_s,
+                           weight_decay=c.weight_decay)
 
     def worker_config(self, w: int, rows: tuple[int, int]) -> WorkerConfig:
         c = self.config
@@ -247,11 +257,8 @@ class PSCTRWorkload(BaseWorkload):
     def setup(self, ctx: Context) -> None:
         c = self.config
         self.ctx = ctx
-        if (t := self.table) is not None:  # what was found in the table, missing cells included (they read as 0)
-            missing = "; missing cells read as 0: " + ", ".join(f"{col} ({n})" for col, n in t.missing) if t.missing else ""
-            say(f"ps_ctr: {t.spec.rows} rows, {len(t.categorical)} categorical fields, {len(t.numeric)} numeric features{missing}")
-            ctx.log.event("ctr_data", path=t.spec.name, rows=t.spec.rows, categorical=list(t.categorical), numeric=list(t.numeric),
-                          missing_as_0=dict(t.missing))
+        if (t := self.table) is not None:
+            self._say_read(t, ctx)
         self.shard_gang = ctx.gang(SHARDS, ParamShard, start_timeout_s=c.step_timeout_s, on_join=self._join_shard, rank_name="shard")
         self.worker_gang = ctx.gang(WORKERS, PSWorker, start_timeout_s=c.step_timeout_s, on_join=self._join_worker, broken=pull_failed, rank_name="worker")
         self._ensure_actors()
@@ -259,6 +266,12 @@ class PSCTRWorkload(BaseWorkload):
         flat = {n: v.reshape(-1) for n, v in init.items()}
         self.shard_gang.call("init_dense", timeout_s=c.step_timeout_s, grace_s=c.step_timeout_s,
                              per_rank=lambda i: (({n: flat[n][a:b] for n, (a, b) in self.slices[i].items()},), {}))
+
+    def _say_read(self, t: ctr_files.CTRTable, ctx: Context) -> None:
+        """What was read from the user's table, on the terminal and as a ``ctr_data`` event."""
+        line, event = ctr_files.read_out(t, self.train_rows, self.config.eval_rows, int(np.count_nonzero(self.eval[2] == 1.0)))
+        say(f"ps_ctr: {line}")
+        ctx.log.event("ctr_data", **event)
 
     def _join_shard(self, i: int, shard: Any) -> Any:
         """The shard gang's ``on_join``: shard ``i``'s slices and tables, no trained state yet."""

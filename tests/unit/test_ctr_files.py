@@ -10,7 +10,7 @@ import pytest
 
 from ctr_tables import write_clicks  # tests/ctr_tables.py
 from raylane import config as cfg
-from raylane.actors.ctr_files import NULL_TOKEN, _bucket, describe_ctr, hash_values, read_ctr_rows
+from raylane.actors.ctr_files import NULL_TOKEN, _bucket, describe_ctr, hash_values, read_ctr_rows, read_out
 from raylane.actors.tabular import SourceError
 
 from prepared import config, inputs  # tests/prepared.py
@@ -42,6 +42,37 @@ def test_each_worker_reads_only_its_rows_and_together_they_are_the_table(clicks)
     assert (numeric[::97, 0] == 0.0).all() and np.count_nonzero(numeric[:, 1]) == 5_000  # a missing number reads as 0
     whole = pq.read_table(clicks)
     assert labels.tolist() == whole["clicked"].to_pylist()
+
+
+def test_standardised_numbers_have_mean_0_and_sd_1_and_a_missing_cell_reads_as_the_mean(tmp_path):
+    folder = write_clicks(tmp_path / "scaled", 5_000)
+    raw = pq.read_table(folder)
+    raw_n1 = raw["n1"].to_numpy() * 250.0 + 3_000.0  # a price in the thousands
+    pq.write_table(raw.set_column(raw.schema.get_field_index("n1"), "n1", pa.array(raw_n1)), folder / "part-0.parquet")
+    for extra in folder.glob("part-1.parquet"):
+        extra.unlink()
+    t = describe_ctr(str(folder), label="clicked", standardize=True)
+    _, numeric, labels = read_ctr_rows(t, 1_000, 0, t.spec.rows)
+    present = np.ones(len(numeric), bool)
+    present[::97] = False
+    np.testing.assert_allclose(numeric[present, 0].mean(), 0.0, atol=1e-4)
+    np.testing.assert_allclose(numeric[:, 1].mean(), 0.0, atol=1e-4)
+    np.testing.assert_allclose(numeric[:, 1].std(), 1.0, atol=1e-4)
+    assert (numeric[~present, 0] == 0.0).all()  # missing: the mean
+    assert t.positives == int(labels.sum()) and t.scale[1][0] == pytest.approx(raw_n1.mean(), rel=1e-6)
+    assert describe_ctr(str(folder), label="clicked").scale == ()  # unasked: read as they are
+
+
+def test_the_read_out_names_every_columns_role_the_split_and_the_share_clicked(clicks):
+    t = describe_ctr(str(clicks), label="clicked", categorical=["site0", "site1"], numeric=["n1"], standardize=True)
+    _, _, labels = read_ctr_rows(t, 1_000, 4_000, 5_000)
+    held = int(labels.sum())
+    line, event = read_out(t, 4_000, 1_000, held)
+    assert event["roles"] == {"clicked": "label", "site0": "embedding field", "site1": "embedding field", "n1": "numeric (standardised)",
+                              "site2": "not used", "site3": "not used", "n0": "not used", "n2": "not used"}
+    assert event["train_clicked"] + event["held_out_clicked"] == t.positives and event["held_out_rows"] == 1_000
+    assert "embedding fields site0, site1; numeric n1; not used: site2, site3, n0, n2; 4,000 rows train (" in line
+    assert f"the last 1,000 held out ({held / 1_000:.1%} clicked)" in line
 
 
 def test_hashing_is_stable_and_the_same_for_plain_and_dictionary_strings():

@@ -55,14 +55,15 @@ def test_feature_ids_of_the_wrong_type_are_refused_naming_the_table():
     assert check_ids("t", np.array([3, 4], dtype=np.int32)).dtype == np.int64
 
 
+@pytest.mark.parametrize("wd", [0.0, 0.3])
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
-def test_update_rules_match_torch(name):
+def test_update_rules_match_torch(name, wd):
     g = torch.Generator().manual_seed(0)
     p0 = torch.randn(50, generator=g)
     grads = [torch.randn(50, generator=g) for _ in range(5)]
     p = torch.nn.Parameter(p0.clone())
-    opt = {"sgd": lambda: torch.optim.SGD([p], lr=0.1), "adagrad": lambda: torch.optim.Adagrad([p], lr=0.1), "adam": lambda: torch.optim.Adam([p], lr=0.1)}[name]()
-    mine = UpdateRule(name, 0.1)
+    opt = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[name]([p], lr=0.1, weight_decay=wd)
+    mine = UpdateRule(name, 0.1, weight_decay=wd)
     value = p0.numpy().copy()
     state = {s: np.zeros(50, np.float32) for s in mine.slots()}
     for t, gr in enumerate(grads, start=1):
