@@ -19,9 +19,32 @@ from typing import Sequence
 
 import numpy as np
 
+from raylane import config as cfg
+
 from raylane.actors.ps_layout import _mix
 from raylane.actors.tabular import FilePart, SourceError, TableSpec
 from raylane.actors.tabular_files import CellTally, filesystem, float32_cells, is_categorical, is_numeric, list_files, range_tables, read_file_columns, schema_and_parts
+
+
+@dataclass
+class CTRDataConfig:
+    """Your click table; without a path the job trains on generated clicks."""
+
+    path: str | None = None
+    """A Parquet (or CSV) file or folder, local or any pyarrow URI (s3://, gs://, hdfs://); null: generated data."""
+    label: str = "label"
+    """The 0/1 label column (clicked or not)."""
+    categorical: list[str] = cfg.field([])
+    """Columns hashed into one embedding table each (strings or integers). Empty: every string column."""
+    numeric: list[str] = cfg.field([])
+    """Numeric feature columns (a missing value reads as 0, or as the mean with ``standardize``). Empty: every number not in categorical."""
+    format: str = cfg.field("auto", choices=("auto", "parquet", "csv"))
+    """File format; auto reads it from the extension (.parquet, .pq, .csv)."""
+    standardize: bool = True
+    """Read each numeric column scaled to mean 0 and standard deviation 1 (a missing cell as
+    its mean): a price in the thousands next to a 0/1 flag otherwise swamps the MLP's first
+    layer. The statistics are taken when the table is checked, over every row (no labels)."""
+
 
 NULL_TOKEN = "\x00null"
 """What a missing categorical value hashes as (its own bucket, not 0)."""

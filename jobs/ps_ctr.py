@@ -33,7 +33,8 @@ import torch
 
 from raylane import checkpoint_parts
 from raylane import config as cfg
-from raylane.actors import ctr, ctr_files
+from raylane.actors import ctr, ctr_files, ctr_model
+from raylane.actors.ctr_files import CTRDataConfig  # noqa: F401 - also raylane.jobs.ps_ctr's
 from raylane.actors.param_shard import MAX_WORKERS, MODES, ParamShard, ShardConfig
 from raylane.actors.ps_layout import dense_slices
 from raylane.actors.ps_optim import OPTIMIZERS
@@ -47,26 +48,6 @@ log = logging.getLogger(__name__)
 
 SHARDS, WORKERS = "param_shard", "ps_worker"
 T = TypeVar("T")
-
-
-@dataclass
-class CTRDataConfig:
-    """Your click table; without a path the job trains on generated clicks."""
-
-    path: str | None = None
-    """A Parquet (or CSV) file or folder, local or any pyarrow URI (s3://, gs://, hdfs://); null: generated data."""
-    label: str = "label"
-    """The 0/1 label column (clicked or not)."""
-    categorical: list[str] = cfg.field([])
-    """Columns hashed into one embedding table each (strings or integers). Empty: every string column."""
-    numeric: list[str] = cfg.field([])
-    """Numeric feature columns (a missing value reads as 0). Empty: every number not in categorical."""
-    format: str = cfg.field("auto", choices=("auto", "parquet", "csv"))
-    """File format; auto reads it from the extension (.parquet, .pq, .csv)."""
-    standardize: bool = True
-    """Read each numeric column scaled to mean 0 and standard deviation 1 (a missing cell as
-    its mean): a price in the thousands next to a 0/1 flag otherwise swamps the MLP's first
-    layer. The statistics are taken when the table is checked, over every row (no labels)."""
 
 
 @dataclass
@@ -375,7 +356,16 @@ class PSCTRWorkload(BaseWorkload):
         c = self.config
         # Each shard snapshots its state and writes it itself (the driver never holds it).
         parts = self._on_shards(lambda: checkpoint_parts.snapshot({str(i): self.shards[i] for i in range(c.shards)}, timeout_s=c.step_timeout_s), "a checkpoint")
-        return {"shards": parts, "auc": self.auc}
+        return {"shards": parts, "auc": self.auc, "model": self.about()}
+
+    def about(self) -> dict[str, Any]:
+        """What rebuilds the model outside raylane (:mod:`raylane.actors.ctr_model`): its
+        shape, and for a user's table the columns, in field order, and their scaling."""
+        s, t = self.shape, self.table
+        inputs = None if t is None else {"categorical": list(t.categorical), "numeric": list(t.numeric), "scale": [list(x) for x in t.scale], "label": t.spec.label}
+        c = self.config
+        return {"fields": s.fields, "ids_per_field": s.ids_per_field, "dense_features": s.dense_features, "buckets": s.buckets,
+                "embedding_dim": s.embedding_dim, "hidden": s.hidden, "seed": c.seed, "init_scale": c.init_scale, "inputs": inputs}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the shards from ``state``: none after a lost worker (they keep what they
@@ -449,7 +439,7 @@ class PSCTRWorkload(BaseWorkload):
 
 
 JOB = JobSpec("ps_ctr", "A click-through-rate model on a sharded parameter server: sync, async or bounded-staleness workers, sparse embedding rows, shard-level recovery.", PSCTRConfig, PSCTRWorkload,
-              prepare=prepare)
+              prepare=prepare, export=ctr_model.export, load_model=ctr_model.load)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -383,8 +383,23 @@ class XGBoostWorkload(BaseWorkload):
             stream.tracker.close(finished=False)
 
 
+def export(conf: XGBoostJobConfig | None, state: dict, folder: Path) -> dict[str, Any]:
+    """``JobSpec.export``: the booster as ``model.ubj`` (xgboost's own format), as trained to the checkpoint's round."""
+    if state.get("model") is None:
+        raise ValueError("the checkpoint holds no trees yet (round 0); export a later checkpoint")
+    (folder / "model.ubj").write_bytes(bytes(state["model"]))
+    return {"rounds": int(state["round"]), **({"params": dict(conf.params)} if conf is not None else {})}
+
+
+def load_model(folder: Path, manifest: dict) -> Any:
+    """``JobSpec.load_model``: an ``xgboost.Booster``."""
+    import xgboost as xgb
+
+    return xgb.Booster(model_file=str(Path(folder) / "model.ubj"))
+
+
 JOB = JobSpec("xgboost", "Distributed XGBoost over trainer actors, one data shard each, resuming from the last chunk when a trainer is lost.", XGBoostJobConfig, XGBoostWorkload,
-              prepare=prepare)
+              prepare=prepare, export=export, load_model=load_model)
 
 if __name__ == "__main__":
     job_main(JOB)

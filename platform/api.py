@@ -17,6 +17,9 @@ command line runs it too::
     summary = run("path/to/my_job.py:JOB", overrides=["workers=4"])
     summary = run_workload(MyWorkload(config), config.driver)  # an instance you built
 
+A finished run's model comes out with ``load_model("runs/NAME")`` (ready to predict, no Ray
+needed; ``best=True`` for the step ``driver.keep_best`` kept) or ``export_run`` (the files).
+
 ``examples/dp_classifier.py`` is a whole workload in under 100 lines. Everything named in
 ``__all__`` is the stable surface; the rest of the package may change.
 """
@@ -29,6 +32,7 @@ from raylane import config as cfg
 from raylane import prepare
 from raylane.checkpoint import CheckpointStore
 from raylane.checkpoint_parts import CHECKPOINT_GROUP, CHECKPOINT_GROUPS, CheckpointParts, Part, snapshot
+from raylane.export import ExportError, export_run, load_model
 from raylane.errors import LOST, CallTimeoutError, GroupLost, PoolError, WorkError, is_recoverable
 from raylane.group import Gang, Membership, TaskPool
 from raylane.placement import RoleSpec
@@ -37,9 +41,9 @@ from raylane.driver import Driver, State, Stepped
 from raylane.workload import BaseWorkload, Context, DriverConfig, DriverError, Workload
 
 __all__ = [
-    "CHECKPOINT_GROUP", "CHECKPOINT_GROUPS", "LOST", "BaseWorkload", "CallTimeoutError", "CheckpointParts", "CheckpointStore", "Context", "Driver", "DriverConfig", "DriverError", "Gang", "Part",
+    "CHECKPOINT_GROUP", "CHECKPOINT_GROUPS", "LOST", "BaseWorkload", "CallTimeoutError", "CheckpointParts", "CheckpointStore", "Context", "Driver", "DriverConfig", "DriverError", "ExportError", "Gang", "Part",
     "GroupLost", "JobSpec", "Membership", "PoolError", "RoleSpec", "State", "Stepped", "TaskPool", "UnknownJobError", "WorkError",
-    "Workload", "is_recoverable", "job", "job_config", "run", "run_config", "run_workload", "snapshot", "workload",
+    "Workload", "export_run", "is_recoverable", "job", "job_config", "load_model", "run", "run_config", "run_workload", "snapshot", "workload",
 ]
 
 

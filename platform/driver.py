@@ -294,7 +294,7 @@ class Driver(StateMachine):
             raise DriverError(f"run {self.run_name!r} stopped at step {self.steps_done}: {exc}. {self.checkpoint_hint()}") from exc
 
     def _driver_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"step": self.steps_done, "run": self.run_name}
+        state: dict[str, Any] = {"step": self.steps_done, "run": self.run_name, "job": self.workload.name}
         if self._best is not None:
             state["best"] = self._best.state()
         return state

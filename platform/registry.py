@@ -39,6 +39,14 @@ class JobSpec:
     """Reads and checks the job's inputs once, before Ray starts (an env made and wrapped, a
     table described, tokens read); a bad input raises ``ValueError`` naming the key. None:
     the job has no inputs to read, or reads them in ``build``."""
+    export: Callable[[Any, dict, Any], dict] | None = None
+    """``export(config, state, folder)``: write the trained model held by the workload's
+    checkpoint ``state`` into ``folder`` in its field's usual form and return what a loader
+    needs to rebuild it (JSON); see :mod:`raylane.export`. ``config`` is the run's (None for
+    a run driven from Python, which has no record: the state should describe the model
+    itself). None: the job has no export."""
+    load_model: Callable[[Any, dict], Any] | None = None
+    """``load_model(folder, manifest)``: the exported model, ready to predict without Ray."""
 
     def __post_init__(self) -> None:
         from raylane.workload import DriverConfig

@@ -56,6 +56,31 @@ def jobs(
 
 
 @app.command()
+def export(
+    run: str = typer.Argument(..., help="The run: its name under --runs-dir, or its folder."),
+    best: bool = typer.Option(False, "--best", help="Export the checkpoint driver.keep_best kept, not the newest."),
+    out: Optional[str] = typer.Option(None, help="Folder to write (default: RUN/export, or RUN/export-best)."),
+    runs_dir: str = typer.Option("runs", help="Folder holding the run folders."),
+) -> None:
+    """Write a run's trained model in its field's usual form (export.json lists every file and its sha256)."""
+    from pathlib import Path
+
+    from raylane.export import ExportError, export_run, read_export
+
+    folder = Path(run) if (Path(run) / "config.json").exists() else Path(runs_dir) / run
+    if not folder.is_dir():
+        fail(f"no run {run!r}: neither a run folder nor a run under {runs_dir}/ (--runs-dir)")
+    try:
+        done = export_run(folder, best=best, out=out)
+        manifest = read_export(done)
+    except ExportError as exc:
+        fail(str(exc))
+    files = ", ".join(manifest["files"])
+    console.print(f"{manifest['job']}: step {manifest['step']}{' (best)' if best else ''} of run {manifest['run']!r} exported to {done}: {files}; "
+                  f"load it with raylane.api.load_model({str(done)!r})", soft_wrap=True, highlight=False)
+
+
+@app.command()
 def run(
     job: str = typer.Argument(..., help="The job to run: a registered name (see `raylane jobs`), path/to/file.py:NAME or package.module:NAME."),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file with config overrides."),

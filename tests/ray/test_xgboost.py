@@ -250,3 +250,29 @@ def test_frozen_trainer_cannot_hang_the_group(ray_local, tmp_path):
     assert "shard 0: " in failure["error"] and "timeout" in failure["error"].lower()
     assert "shard 1: still in the collective 11 s after the first failure, killed" in failure["error"]
     assert time.monotonic() - t0 < 300
+
+
+def test_the_best_round_exports_and_loads_without_ray_to_the_runs_own_held_out_logloss(ray_local, tmp_path):
+    """driver.keep_best on the held-out logloss, then ``raylane export --best``; another
+    process, Ray not started there, loads the model with raylane.api.load_model."""
+    wait_cpus_free()
+    conf = make(tmp_path, "bcbest", data={"source": "sklearn:breast_cancer"}, num_boost_round=60, trainers=2, every=5,
+                params={"eta": 0.6, "eval_metric": ["logloss"]})
+    conf.driver.keep_best, conf.driver.best_metric = True, "eval-logloss"
+    summary = Driver(XGBoostWorkload(conf), conf.driver).run()
+    kept = summary["best"]["kept"]
+    assert summary["state"] == "finished" and kept["value"] == min(r["eval-logloss"] for r in read_jsonl(tmp_path / "bcbest" / "metrics.jsonl"))
+    x, y = held_out(conf)
+    np.save(tmp_path / "x.npy", x)
+    result = subprocess.run([sys.executable, "-m", "raylane", "export", "bcbest", "--best", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "exported to" in result.stdout, result.stderr
+    script = ("import sys, numpy as np, ray, xgboost as xgb; from raylane.api import load_model; "
+              f"b = load_model({str(tmp_path / 'bcbest' / 'export-best')!r}); assert not ray.is_initialized(); "
+              f"np.save({str(tmp_path / 'p.npy')!r}, b.predict(xgb.DMatrix(np.load({str(tmp_path / 'x.npy')!r}), feature_names=b.feature_names))); "
+              "print(b.num_boosted_rounds())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == 5 * kept["step"]  # the trees of the best chunk, not of the last one
+    assert abs(logloss(np.load(tmp_path / "p.npy"), y) - kept["value"]) < 1e-5
+    manifest = json.loads((tmp_path / "bcbest" / "export-best" / "export.json").read_text())
+    assert manifest["step"] == kept["step"] and set(manifest["files"]) == {"model.ubj"}

@@ -1,0 +1,52 @@
+"""raylane export and load_model on what they refuse (no Ray needed): a folder that is no run,
+a run without a checkpoint, a job without an export, an export whose files were altered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raylane import prepare, registry, runrecord
+from raylane.export import ExportError, export_run, load_model, read_export
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+def a_run(tmp_path, job, name="r"):
+    spec = registry.get(job)
+    conf = prepare.job_config(spec, overrides=[f"driver.runs_dir={tmp_path}", f"driver.run_name={name}"])
+    runrecord.write_record(spec.name, conf, tmp_path / name)
+    return tmp_path / name
+
+
+def test_a_run_without_a_checkpoint_is_one_line_naming_the_run(tmp_path):
+    run = a_run(tmp_path, "xgboost", "fresh")
+    with pytest.raises(ExportError, match=r"run 'fresh' has no checkpoint in .*fresh/checkpoints$"):
+        export_run(run)
+    with pytest.raises(ExportError, match=r"run 'fresh' has no best checkpoint in .*checkpoints/best; run it with --set driver.keep_best=true"):
+        export_run(run, best=True)
+
+
+def test_a_job_without_an_export_and_a_folder_that_is_no_run_are_refused(tmp_path):
+    with pytest.raises(ExportError, match=r"job 'linreg' has no export; these jobs have one: .*ps_ctr.*xgboost"):
+        export_run(a_run(tmp_path, "linreg"))
+    with pytest.raises(ExportError, match=r"is not a run folder \(no config.json\)"):
+        load_model(tmp_path / "nothing")
+
+
+def test_an_export_whose_file_does_not_match_its_manifest_is_refused(tmp_path):
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "model.ubj").write_bytes(b"trees")
+    import hashlib
+
+    entry = {"size": 5, "sha256": hashlib.sha256(b"trees").hexdigest()}
+    (folder / "export.json").write_text(json.dumps({"version": 1, "job": "xgboost", "files": {"model.ubj": entry}, "model": {}}))
+    assert read_export(folder)["job"] == "xgboost"
+    (folder / "model.ubj").write_bytes(b"TREES")
+    with pytest.raises(ExportError, match=r"model.ubj does not match export.json \(size or sha256\): altered or torn; it was not loaded"):
+        load_model(folder)
+    (folder / "model.ubj").unlink()
+    with pytest.raises(ExportError, match=r"model.ubj is missing"):
+        read_export(folder)
