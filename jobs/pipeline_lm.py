@@ -46,7 +46,7 @@ from raylane.launch import job_main
 from raylane.preemption import NodeLeaving
 from raylane.actors.lm_factory import LayerFactory
 from raylane.jobs.pipeline_inputs import TokenData, Tokens, assemble, greedy, check_budget, load_factory, load_tokens
-from raylane.jobs.pipeline_state import held_layers, parts_for, snapshot_stages
+from raylane.jobs.pipeline_state import describe, export as export_model, held_layers, load as load_model, parts_for, snapshot_stages
 
 log = logging.getLogger(__name__)
 
@@ -304,11 +304,11 @@ class PipelineLMWorkload(BaseWorkload):
 
     def state_dict(self) -> dict:
         if self.layout is None and self._kept is not None:  # read for a hand-off that failed: it goes through the driver
-            return {"layers": self._kept, "last_loss": self.last_loss}
+            return {"layers": self._kept, "last_loss": self.last_loss, "model": describe(self.model, self.factory)}
         if self.layout is None:
             raise PoolError("pipeline_lm: no layout to checkpoint (stages lost)")
         # Every stage of the first pipeline writes its own layers (the driver never holds the model).
-        return {**snapshot_stages(self.layout.pipelines[0], self.layout.pieces, self.config.step_timeout_s), "last_loss": self.last_loss}
+        return {**snapshot_stages(self.layout.pipelines[0], self.layout.pieces, self.config.step_timeout_s), "last_loss": self.last_loss, "model": describe(self.model, self.factory)}
 
     def load_state_dict(self, state: dict) -> None:
         self.last_loss = float(state.get("last_loss", float("nan")))
@@ -442,9 +442,9 @@ class PipelineWorkload(PipelineLMWorkload):
 
 
 JOB = JobSpec("pipeline_lm", "A GPT-style model split over pipeline-stage actors (gpipe, 1f1b, interleaved, bfs); re-split over live stages after a loss.", PipelineLMConfig, PipelineLMWorkload,
-              prepare=prepare)
+              prepare=prepare, export=export_model, load_model=load_model)
 PIPELINE = JobSpec("pipeline", "pipeline_lm by its general name: your layers (model.factory) on your tokens (data.path), or the built-in GPT on generated text.",
-                   PipelineLMConfig, PipelineWorkload, prepare=prepare)
+                   PipelineLMConfig, PipelineWorkload, prepare=prepare, export=export_model, load_model=load_model)
 
 if __name__ == "__main__":
     job_main(JOB)

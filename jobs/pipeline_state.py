@@ -2,12 +2,21 @@
 (each stage writes its own layers, :mod:`raylane.checkpoint_parts`; the replicas of a
 data-parallel pipeline hold the same values), with which layers each part holds. A
 checkpoint of ``P`` stages loads onto any other cut: each stage of the new layout reads
-only the parts that hold one of its layers, and keeps its own."""
+only the parts that hold one of its layers, and keeps its own.
+
+:func:`export` puts the layers back in one ``torch.nn.Sequential`` (``raylane export``),
+:func:`load` rebuilds it without Ray (``raylane.api.load_model``)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import torch
+
+from raylane.actors import gpt
+from raylane.actors.lm_factory import LayerFactory
 from raylane.checkpoint_parts import Part, snapshot
 
 
@@ -48,3 +57,49 @@ def layers_of(workload_state: Mapping[str, Any]) -> dict[str, Any]:
             raise TypeError(f"a pipeline part is {type(part).__name__}, not read: load the checkpoint with load_whole()")
         out.update(part)
     return out
+
+
+def describe(model: gpt.GPTConfig, factory: LayerFactory | None) -> dict[str, Any]:
+    """What rebuilds the model outside raylane, kept in every checkpoint: the built-in GPT's
+    shape, or the user's factory by import path with what it is called with."""
+    if factory is None:
+        return {"kind": "gpt", "gpt": asdict(model)}
+    from raylane.registry import portable_target  # a factory file's path made absolute: found from any folder
+
+    return {"kind": "factory", "factory": portable_target(factory.name), "vocab": factory.spec.vocab, "seq_len": factory.spec.seq_len, "seed": factory.seed}
+
+
+def _modules(about: Mapping[str, Any]) -> list[torch.nn.Module]:
+    if about["kind"] == "gpt":
+        return gpt.build_layers(gpt.GPTConfig(**about["gpt"]))
+    from raylane.jobs.pipeline_inputs import load_factory
+
+    factory, _ = load_factory(about["factory"], vocab=about["vocab"], seq_len=about["seq_len"], seed=about["seed"])
+    return factory.build()[0]
+
+
+def export(conf: Any, state: dict, folder: Path) -> dict[str, Any]:
+    """``JobSpec.export``: ``model.pt``, the ``state_dict`` of every layer put back in one
+    ``torch.nn.Sequential`` (layer ``i`` is its module ``i``), and what rebuilds it."""
+    about = state.get("model")
+    if about is None:  # a checkpoint written before the state described its model: the run's config does
+        if conf is None:
+            raise ValueError("the checkpoint does not describe its model and the run folder has no config.json; export a newer checkpoint")
+        _, model, factory, _ = conf.inputs()  # the tokens read again, for the vocabulary
+        about = describe(model, factory)
+    layers = layers_of(state)
+    mods = _modules(about)
+    for i, m in enumerate(mods):
+        gpt.load_layer_state(m, None, layers[str(i)])
+    torch.save(torch.nn.Sequential(*mods).state_dict(), folder / "model.pt")
+    return {**about, "layers": len(mods), "last_loss": state.get("last_loss")}
+
+
+def load(folder: Path, manifest: dict) -> torch.nn.Sequential:
+    """``JobSpec.load_model``: the whole model in eval mode; ``model(tokens [B, T] int64)``
+    gives the next-token logits ``[B, T, vocab]`` (the built-in GPT), or what the factory's
+    last layer gives. A factory's model is built by importing the factory named in the
+    export (the user's own code), then loaded with the exported weights."""
+    model = torch.nn.Sequential(*_modules(manifest["model"]))
+    model.load_state_dict(torch.load(Path(folder) / "model.pt", weights_only=True))
+    return model.eval()

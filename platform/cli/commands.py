@@ -67,7 +67,7 @@ def export(
 
     from raylane.export import ExportError, export_run, read_export
 
-    folder = Path(run) if (Path(run) / "config.json").exists() else Path(runs_dir) / run
+    folder = Path(runs_dir) / run if (Path(runs_dir) / run).is_dir() else Path(run)
     if not folder.is_dir():
         fail(f"no run {run!r}: neither a run folder nor a run under {runs_dir}/ (--runs-dir)")
     try:

@@ -121,3 +121,37 @@ def test_pipeline_trains_the_users_layers_on_their_token_file_through_a_stage_ki
     check_close(final_params(run.run_dir), want, 16)
     assert json.loads((run.run_dir / "final.json").read_text())["val_loss"] < got[0]
     assert not (run.run_dir / "sample.txt").exists()  # token ids in: no text to sample
+
+
+def test_the_layers_export_as_one_model_that_scores_the_runs_held_out_loss_without_ray(ray_local, tmp_path):
+    """Driven from Python (no config.json: the checkpoint names its job and describes its
+    model), exported with ``raylane export``, loaded in a process where Ray never starts."""
+    import subprocess
+    import sys
+
+    conf = make(tmp_path, "plm-export", 4, stages=2, schedule="1f1b")
+    summary = Driver(PipelineLMWorkload(conf), conf.driver).run()
+    assert summary["state"] == "finished"
+    run = tmp_path / "plm-export"
+    val_loss = json.loads((run / "final.json").read_text())["val_loss"]
+    done = subprocess.run([sys.executable, "-m", "raylane", "export", str(run)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "step 4 of run 'plm-export' exported" in done.stdout, done.stderr
+    script = f"""
+import json, torch, ray
+from raylane.actors import corpus, gpt
+from raylane.api import load_model
+from raylane.jobs.pipeline_lm import ModelShape, PipelineLMConfig
+model = load_model({str(run / "export")!r})
+conf = PipelineLMConfig(model=ModelShape(**{SHAPE!r}), text_chars=20_000)
+_, val = corpus.split(conf.inputs()[0].ids, conf.val_fraction)
+x, y = corpus.eval_windows(val, conf.model.seq_len, limit=64)
+with torch.no_grad():
+    loss = float(gpt.loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)))
+assert not ray.is_initialized() and not model.training and len(model) == {SHAPE["n_blocks"] + 2}
+print(json.dumps({{"val_loss": loss}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["val_loss"] == pytest.approx(val_loss, abs=1e-6)
+    manifest = json.loads((run / "export" / "export.json").read_text())
+    assert manifest["job"] == "pipeline_lm" and manifest["model"]["kind"] == "gpt" and set(manifest["files"]) == {"model.pt"}
