@@ -1,8 +1,9 @@
 """The PPO learner: GAE, the clipped surrogate loss, and the optimizer, in a stateful actor.
 
 A stateful role (prefers on-demand nodes, takes a GPU where its node has one). Its
-state (weights, optimizer, version, RNG, observation statistics) is what a checkpoint
-holds; the rollout workers hold nothing that matters.
+state (weights, optimizer, version, RNG, observation statistics, and a JSON description
+of the network for :mod:`raylane.actors.policy_export`) is what a checkpoint holds; the
+rollout workers hold nothing that matters.
 
 :func:`gae` and :func:`ppo_loss` are pure and tested against hand computations.
 """
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from raylane.actors.policy import ActorCritic, NetConfig, RunningMeanStd, SpaceSpec, build_net
+from raylane.actors.policy_export import describe
 from raylane.checkpoint_parts import CHECKPOINT_GROUPS, CheckpointParts
 
 
@@ -197,6 +199,7 @@ class Learner:
             "version": self.version,
             "rng": self.gen.get_state(),
             "obs_rms": self.rms.state(),
+            "model": describe(self.cfg.spec, self.cfg.net, self.cfg.normalize_obs),  # what rebuilds the network (the export reads it)
         }
 
     def load_state(self, state: dict) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -232,7 +233,14 @@ class FederatedWorkload(BaseWorkload):
         return self.config.target_accuracy > 0 and metrics["accuracy"] >= self.config.target_accuracy
 
     def state_dict(self) -> dict:
-        return {"weights": {k: v.copy() for k, v in self.weights.items()}}
+        return {"weights": {k: v.copy() for k, v in self.weights.items()}, "model": self.about()}
+
+    def about(self) -> dict[str, Any]:
+        """What rebuilds the global model outside raylane (:func:`export`): its widths and
+        what its inputs are (the table's feature columns in order, or the digits' pixels)."""
+        t = self.source.table
+        return {"in_dim": self.model[0].in_features, "hidden": self.model[0].out_features, "classes": self.model[2].out_features,
+                "inputs": _inputs(t.features if t is not None else None, None if t is None else t.label)}
 
     def load_state_dict(self, state: dict) -> None:
         self.weights = {k: np.asarray(v).copy() for k, v in state["weights"].items()}
@@ -242,8 +250,51 @@ def _planned(rows: int, batch_size: int, epochs: int) -> int:
     return epochs * -(-rows // batch_size)
 
 
+MODEL_FILE = "model.pt"
+
+
+def _inputs(features: Any, label: str | None) -> dict[str, Any]:
+    """What the model's input columns are: a table's features in order (None: every numeric
+    column but the client id and the label, in the table's order), or the digits' pixels."""
+    if label is None:
+        return {"digits": "scikit-learn's load_digits: the 64 pixels of an 8x8 image (0..16) divided by 16, row by row"}
+    return {"features": None if features is None else list(features), "label": label, "missing": 0.0}
+
+
+def export(conf: FederatedConfig | None, state: dict, folder: Path) -> dict[str, Any]:
+    """``JobSpec.export`` of federated: the global model's ``state_dict`` as ``model.pt`` and
+    the JSON that rebuilds it (``in_dim``, ``hidden``, ``classes``; ``inputs``: the features
+    it reads, in order)."""
+    tensors = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in state["weights"].items()}
+    about = state.get("model")
+    if about is None:  # a checkpoint written before the state described its model: the run's config does
+        if conf is None:
+            raise ValueError("the checkpoint does not describe its model (it predates federated's export) and the run folder has "
+                             "no config.json to say what it reads; export a checkpoint written by this version, or a run started with `raylane run`")
+        d = conf.data
+        w1, w2 = tensors["0.weight"], tensors["2.weight"]  # Linear(in_dim, hidden), ReLU, Linear(hidden, classes)
+        about = {"in_dim": int(w1.shape[1]), "hidden": int(w1.shape[0]), "classes": int(w2.shape[0]),
+                 "inputs": _inputs(d.features or None, None if d.path is None else d.label)}
+    torch.save(tensors, Path(folder) / MODEL_FILE)
+    return dict(about)
+
+
+def load_model(folder: Path, manifest: dict) -> torch.nn.Module:
+    """``JobSpec.load_model`` of federated; call it as ``raylane.api.load_model("runs/NAME")``
+    (or the export folder). Returns the global model in eval mode, on the CPU: a
+    ``torch.nn.Sequential`` (Linear, ReLU, Linear) whose ``model(x)`` maps float32 rows
+    ``[n, in_dim]`` to class logits ``[n, classes]`` (``argmax(1)``: the predicted class).
+    ``model.inputs`` (also ``manifest["model"]["inputs"]``) says what the columns of ``x``
+    are: a table's feature columns in order, a missing cell as 0, or the digits' pixels / 16."""
+    about = manifest["model"]
+    model = make_model(int(about["in_dim"]), int(about["hidden"]), int(about["classes"]), seed=0)  # every weight is then loaded
+    model.load_state_dict(torch.load(Path(folder) / MODEL_FILE, weights_only=True, map_location="cpu"))
+    model.inputs = about.get("inputs")
+    return model.eval()
+
+
 JOB = JobSpec("federated", "FedAvg / FedProx over logical clients with their own (non-IID) data, digits or your table, on spot client actors; partial work of stragglers counts.",
-              FederatedConfig, FederatedWorkload, prepare=prepare)
+              FederatedConfig, FederatedWorkload, prepare=prepare, export=export, load_model=load_model)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -27,6 +27,7 @@ import ray
 from raylane import budget
 from raylane import config as cfg
 from raylane.budget import Estimate, size
+from raylane.actors import gnn_model
 from raylane.actors.gnn_sampler import GNNSamplerActor, SamplerConfig
 from raylane.actors.graph import ARRAYS, FEATURE_DTYPES, SharedGraph, sbm_graph, to_shared
 from raylane.actors.graph_io import load_graph
@@ -414,6 +415,7 @@ class GraphSAGEWorkload(BaseWorkload):
             "coverage": self.coverage.copy(),
             "last_eval": dict(self.last_eval),
             "plan_len": len(self.plan),
+            "model": gnn_model.describe(self._trainer_config()),  # what rebuilds the model outside raylane (raylane export)
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -431,7 +433,7 @@ class GraphSAGEWorkload(BaseWorkload):
 
 
 JOB = JobSpec("graphsage", "GraphSAGE on mini-batches from sampler actors over a METIS-partitioned graph; samplers on spot, trainer on demand.", GraphSAGEConfig, GraphSAGEWorkload,
-              prepare=prepare)
+              prepare=prepare, export=gnn_model.export, load_model=gnn_model.load)
 
 if __name__ == "__main__":
     job_main(JOB)

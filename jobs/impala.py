@@ -29,6 +29,7 @@ import numpy as np
 import ray
 
 from raylane import config as cfg
+from raylane.actors import policy_export
 from raylane.actors.impala_learner import ImpalaLearnerActor, ImpalaLearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig
 from raylane.actors.stream_worker import StreamConfig, StreamWorker
@@ -364,7 +365,7 @@ class ImpalaWorkload(BaseWorkload):
 
 
 JOB = JobSpec("impala", "Asynchronous RL (IMPALA/APPO with V-trace): streaming rollout workers on spot, a learner that never waits for the slowest.", ImpalaConfig, ImpalaWorkload,
-              prepare=resolve)
+              prepare=resolve, export=policy_export.export, load_model=policy_export.load)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -4,15 +4,20 @@ The smallest end-to-end workload: each step the driver sends the weights once
 (object store), the pool computes gradients of fixed row shards on whatever workers
 are alive, and the sums are added in shard order, so a run that loses workers,
 is scaled, or is killed and resumed ends with exactly the same weights.
+
+Exported (``raylane export``), the weights are ``model.pt`` and load back as
+:class:`LinearModel`: ``model.predict(x)`` gives ``x @ w`` for rows ``x [n, features]``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
+import torch
 
 from raylane import budget
 from raylane import config as cfg
@@ -124,7 +129,37 @@ class LinRegWorkload(BaseWorkload):
         return bool(self.config.target_loss) and metrics["loss"] <= self.config.target_loss
 
 
-JOB = JobSpec("linreg", "Least squares on generated data over elastic gradient workers: the smallest end-to-end check of a cluster.", LinRegConfig, LinRegWorkload)
+class LinearModel(torch.nn.Linear):
+    """linreg's model: ``features`` inputs, one output, no bias, float64 like the run's weights."""
+
+    def __init__(self, features: int):
+        super().__init__(features, 1, bias=False, dtype=torch.float64)
+
+    @torch.no_grad()
+    def predict(self, x: Any) -> np.ndarray:
+        """Predictions ``[n]`` for rows ``x [n, features]`` (``x @ w``)."""
+        x = torch.as_tensor(np.asarray(x, dtype=np.float64))
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x has shape {tuple(x.shape)}; the model reads rows [n, {self.in_features}]")
+        return self(x)[:, 0].numpy()
+
+
+def export(conf: LinRegConfig | None, state: dict, folder: Path) -> dict[str, Any]:
+    """``JobSpec.export``: the weights as ``model.pt`` (``weight [1, features]``, float64)."""
+    w = np.asarray(state["w"], dtype=np.float64).reshape(1, -1)
+    torch.save({"weight": torch.from_numpy(w.copy())}, Path(folder) / "model.pt")
+    return {"features": w.shape[1], **({"seed": conf.seed, "noise": conf.noise} if conf is not None else {})}
+
+
+def load_model(folder: Path, manifest: dict) -> LinearModel:
+    """``JobSpec.load_model``: :class:`LinearModel` in eval mode."""
+    model = LinearModel(int(manifest["model"]["features"]))
+    model.load_state_dict(torch.load(Path(folder) / "model.pt", weights_only=True))
+    return model.eval()
+
+
+JOB = JobSpec("linreg", "Least squares on generated data over elastic gradient workers: the smallest end-to-end check of a cluster.", LinRegConfig, LinRegWorkload,
+              export=export, load_model=load_model)
 
 if __name__ == "__main__":
     job_main(JOB)

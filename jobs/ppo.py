@@ -19,6 +19,7 @@ import numpy as np
 import ray
 
 from raylane import config as cfg
+from raylane.actors import policy_export
 from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
 from raylane.api import BaseWorkload, Context, DriverConfig, Gang, JobSpec, Part, PoolError, RoleSpec, TaskPool
@@ -310,7 +311,8 @@ def plot_returns(run_dir, title: str = "PPO") -> str:
     return str(path)
 
 
-JOB = JobSpec("ppo", "PPO on gymnasium envs: rollout workers (spot-friendly) feeding one learner; solves CartPole-v1 by default.", PPOConfig, PPOWorkload, prepare=resolve)
+JOB = JobSpec("ppo", "PPO on gymnasium envs: rollout workers (spot-friendly) feeding one learner; solves CartPole-v1 by default.", PPOConfig, PPOWorkload, prepare=resolve,
+              export=policy_export.export, load_model=policy_export.load)
 
 if __name__ == "__main__":
     job_main(JOB)

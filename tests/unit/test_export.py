@@ -29,8 +29,14 @@ def test_a_run_without_a_checkpoint_is_one_line_naming_the_run(tmp_path):
 
 
 def test_a_job_without_an_export_and_a_folder_that_is_no_run_are_refused(tmp_path):
-    with pytest.raises(ExportError, match=r"job 'linreg' has no export; these jobs have one: .*ps_ctr.*xgboost"):
-        export_run(a_run(tmp_path, "linreg"))
+    job = tmp_path / "my_job.py"
+    job.write_text("from raylane.api import JobSpec\nfrom raylane.jobs.linreg import LinRegConfig, LinRegWorkload\n"
+                   "JOB = JobSpec('mine', 'a job of your own, without an export', LinRegConfig, LinRegWorkload)\n")
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"job": f"{job}:JOB", "config": {}}))
+    with pytest.raises(ExportError, match=r"job 'mine' has no export; these jobs have one: .*ps_ctr.*xgboost"):
+        export_run(run)
     with pytest.raises(ExportError, match=r"is not a run folder \(no config.json\)"):
         load_model(tmp_path / "nothing")
 
