@@ -24,7 +24,7 @@ Observations go in raw: the module normalises them as the run's rollout workers 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -45,18 +45,6 @@ def describe(spec: SpaceSpec, net: NetConfig, normalize_obs: bool) -> dict[str, 
     return {"spec": {"obs_dim": int(spec.obs_dim), "discrete": bool(spec.discrete), "act_dim": int(spec.act_dim),
                      "act_low": [float(x) for x in spec.act_low], "act_high": [float(x) for x in spec.act_high]},
             "net": about_net, "normalize_obs": bool(normalize_obs)}
-
-
-def _from_config(conf: Any) -> dict[str, Any]:
-    """:func:`describe` of the run's config (its env made, its factory imported): for a
-    checkpoint written before the learner's state described its network."""
-    if conf is None:
-        raise ValueError("the checkpoint's learner state does not describe its network and the run folder has no config.json; "
-                         "export a checkpoint written by this raylane, or a run started with `raylane run` or raylane.api.run")
-    from raylane.jobs.rl_env import resolve
-
-    _, net, spec = resolve(conf)
-    return describe(spec, net, bool(getattr(conf, "normalize_obs", False)))
 
 
 def space_spec_of(about: dict[str, Any]) -> SpaceSpec:
@@ -154,12 +142,19 @@ def _tensors(learner: dict, about: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def export(conf: Any, state: dict, folder: Path) -> dict[str, Any]:
-    """``JobSpec.export`` of ppo and impala: ``policy.pt`` and the JSON that rebuilds :class:`PolicyModel`."""
+def export(conf: Any, state: dict, folder: Path, described: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``policy.pt`` and the JSON that rebuilds :class:`PolicyModel` (ppo's and impala's
+    ``JobSpec.export`` is :func:`raylane.jobs.rl_env.export_policy`). ``described()``: the
+    :func:`describe` of the run's config, for a checkpoint written before the learner's state
+    described its network (None: there is no config to ask)."""
     learner = state.get("learner")
     if not isinstance(learner, dict) or not isinstance(learner.get("params"), dict):
         raise ValueError("the checkpoint holds no learner state with network parameters; export a checkpoint of a ppo or impala run")
-    about = learner.get("model") or _from_config(conf)
+    about = learner.get("model")
+    if about is None and described is None:
+        raise ValueError("the checkpoint's learner state does not describe its network and the run folder has no config.json; "
+                         "export a checkpoint written by this raylane, or a run started with `raylane run` or raylane.api.run")
+    about = about or described()  # type: ignore[misc]
     torch.save(_tensors(learner, about), Path(folder) / MODEL_FILE)
     env = ({"env_id": conf.env_id, "env_module": conf.env_module, "env_kwargs": dict(conf.env_kwargs), "wrappers": list(conf.wrappers)}
            if conf is not None else {})  # which env it acts in (for the reader; the module needs none of it)

@@ -36,7 +36,7 @@ from raylane.actors.stream_worker import StreamConfig, StreamWorker
 from raylane.actors.vtrace import split_stale
 from raylane.api import BaseWorkload, Context, DriverConfig, Gang, JobSpec, Part, PoolError, RoleSpec, TaskPool
 from raylane.jobs.ppo import RETURN_WINDOW, plot_returns
-from raylane.jobs.rl_env import RLEnvConfig, RLInputs, announce_emulation, check_budget, resolve
+from raylane.jobs.rl_env import RLEnvConfig, RLInputs, announce_emulation, check_budget, export_policy, resolve
 from raylane.launch import job_main
 
 WORKERS, LEARNER = "rollout_worker", "learner"
@@ -365,7 +365,7 @@ class ImpalaWorkload(BaseWorkload):
 
 
 JOB = JobSpec("impala", "Asynchronous RL (IMPALA/APPO with V-trace): streaming rollout workers on spot, a learner that never waits for the slowest.", ImpalaConfig, ImpalaWorkload,
-              prepare=resolve, export=policy_export.export, load_model=policy_export.load)
+              prepare=resolve, export=export_policy, load_model=policy_export.load)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -23,7 +23,7 @@ from raylane.actors import policy_export
 from raylane.actors.ppo_learner import LearnerActor, LearnerConfig
 from raylane.actors.rollout_worker import RolloutConfig, RolloutWorker
 from raylane.api import BaseWorkload, Context, DriverConfig, Gang, JobSpec, Part, PoolError, RoleSpec, TaskPool
-from raylane.jobs.rl_env import RLEnvConfig, RLInputs, announce_emulation, check_budget, resolve
+from raylane.jobs.rl_env import RLEnvConfig, RLInputs, announce_emulation, check_budget, export_policy, resolve
 from raylane.launch import job_main
 from raylane.runlog import read_jsonl
 
@@ -312,7 +312,7 @@ def plot_returns(run_dir, title: str = "PPO") -> str:
 
 
 JOB = JobSpec("ppo", "PPO on gymnasium envs: rollout workers (spot-friendly) feeding one learner; solves CartPole-v1 by default.", PPOConfig, PPOWorkload, prepare=resolve,
-              export=policy_export.export, load_model=policy_export.load)
+              export=export_policy, load_model=policy_export.load)
 
 if __name__ == "__main__":
     job_main(JOB)

@@ -156,3 +156,16 @@ def check_budget(job: str, c: Any, spec: SpaceSpec, *, steps: int, steps_key: st
                        Estimate(f"two fragments: 2 x {frag_what}", 2 * fragment, frag_keys)], where="rollout worker")
     for where, (count, formula, keys) in (("learner", learner), ("driver", driver)):
         budget.check(job, [Estimate(f"fragments: {formula} x {frag_what}", count * fragment, frag_keys + keys)], where=where)
+
+
+def export_policy(conf: Any, state: dict, folder: Any) -> dict[str, Any]:
+    """``JobSpec.export`` of ppo and impala (:func:`raylane.actors.policy_export.export`),
+    the run's config describing the network of a checkpoint written before the learner's
+    state did (its env made, its factory imported)."""
+    from raylane.actors import policy_export
+
+    def described() -> dict[str, Any]:
+        _, net, spec = resolve(conf)
+        return policy_export.describe(spec, net, bool(getattr(conf, "normalize_obs", False)))
+
+    return policy_export.export(conf, state, folder, described if conf is not None else None)

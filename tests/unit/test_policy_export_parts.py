@@ -14,7 +14,7 @@ from raylane.actors import policy_export
 from raylane.actors.policy import NetConfig, NumpyPolicy
 from raylane.actors.ppo_learner import Learner, LearnerConfig
 from raylane.checkpoint import CheckpointStore
-from raylane.jobs.rl_env import check_env, resolve
+from raylane.jobs.rl_env import check_env, export_policy, resolve
 
 from prepared import config  # tests/prepared.py
 
@@ -31,7 +31,7 @@ def checkpointed(tmp_path, learner: Learner) -> dict:
 def exported(tmp_path, state: dict, conf=None) -> policy_export.PolicyModel:
     folder = tmp_path / "export"
     folder.mkdir(exist_ok=True)
-    about = policy_export.export(conf, state, folder)
+    about = export_policy(conf, state, folder)
     assert set(p.name for p in folder.iterdir()) == {policy_export.MODEL_FILE}
     return policy_export.load(folder, {"model": about})
 
@@ -85,7 +85,7 @@ def test_a_state_without_its_description_falls_back_to_the_config_or_is_refused(
     model = exported(tmp_path, state, conf)
     assert model.normalize_obs and model.spec.discrete and model.act(np.zeros(4, np.float32)) in (0, 1)
     with pytest.raises(ValueError, match=r"does not describe its network and the run folder has no config.json"):
-        policy_export.export(None, state, tmp_path / "export")
+        export_policy(None, state, tmp_path / "export")
     with pytest.raises(ValueError, match=r"no learner state with network parameters"):
         policy_export.export(conf, {"env_steps": 3}, tmp_path / "export")
     with pytest.raises(ValueError, match=r"observations of 3 values; this policy reads 4"):
