@@ -66,6 +66,9 @@ class CTRTable:
     """Rows labelled 1 (clicked), over the whole table."""
     columns: tuple[str, ...] = ()
     """Every column of the table, used or not."""
+    hashed_as: tuple[str, ...] = ()
+    """How each categorical column's values are hashed: ``int`` (a Parquet integer column) or
+    ``string`` (text, and every CSV column, read as text)."""
     scale: tuple[tuple[float, float], ...] = ()
     """(mean, standard deviation) of each numeric column over its present cells: rows are read
     as ``(x - mean) / sd``, a missing cell as 0 (the mean). Empty: read as they are."""
@@ -142,7 +145,8 @@ def describe_ctr(path: str, *, label: str, categorical: Sequence[str] = (), nume
         mean = sums[1] / np.maximum(sums[0], 1)
         sd = np.sqrt(np.maximum(sums[2] / np.maximum(sums[0], 1) - mean ** 2, 0.0))
         scale = tuple((float(m), float(s) if s > 1e-12 else 1.0) for m, s in zip(mean, sd))  # a constant column stays centred at 0
-    return CTRTable(spec, tuple(cat), tuple(num), tuple(tally.missing_counts().items()), positives, names, scale)
+    hashed_as = tuple("int" if fmt == "parquet" and pa.types.is_integer(kind[c]) else "string" for c in cat)
+    return CTRTable(spec, tuple(cat), tuple(num), tuple(tally.missing_counts().items()), positives, names, hashed_as, scale)
 
 
 def read_out(t: CTRTable, train_rows: int, held_out: int, held_out_clicked: int) -> tuple[str, dict]:

@@ -58,7 +58,9 @@ class CTRModel(torch.nn.Module):
         need = [*self.inputs["categorical"], *self.inputs["numeric"]]
         if missing := [c for c in need if c not in table.column_names]:
             raise ValueError(f"rows lack the columns {missing}; the model reads {need}")
-        ids = np.stack([hash_values(table.column(c).combine_chunks(), self.shape.buckets) for c in self.inputs["categorical"]], axis=1)[:, :, None]
+        kinds = self.inputs.get("hashed_as") or ["string"] * len(self.inputs["categorical"])
+        ids = np.stack([hash_values(_as_trained(table.column(c).combine_chunks(), c, kind), self.shape.buckets)
+                        for c, kind in zip(self.inputs["categorical"], kinds)], axis=1)[:, :, None]
         numeric = np.zeros((table.num_rows, len(self.inputs["numeric"])), np.float32)
         for j, c in enumerate(self.inputs["numeric"]):
             values = table.column(c).cast(pa.float64()).to_numpy(zero_copy_only=False).astype(np.float32)
@@ -68,6 +70,27 @@ class CTRModel(torch.nn.Module):
             numeric[:, j] = np.nan_to_num(values, nan=0.0)  # missing: 0 (the mean, when scaled), as the run read it
         with torch.no_grad():
             return torch.sigmoid(self(ids, numeric)).numpy()
+
+
+def _as_trained(values: Any, name: str, kind: str) -> Any:
+    """A categorical column in the type the run hashed it as (``int`` or ``string``): an id
+    column that pandas turned into floats (an integer column with missing values) goes back
+    to whole numbers; a float that is not whole is refused, naming the column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    if pa.types.is_floating(values.type):
+        values = pc.if_else(pc.is_nan(values), pa.scalar(None, values.type), values)  # pandas' missing id
+        finite = pc.fill_null(pc.is_finite(values), True)
+        whole = pc.fill_null(pc.equal(pc.floor(values), values), True)
+        if not pc.all(pc.and_(finite, whole)).as_py():
+            raise ValueError(f"column {name!r} holds numbers that are not whole ids; the run hashed it as {kind} ids")
+        values = values.cast(pa.int64())
+    if kind == "int":
+        return values if pa.types.is_integer(values.type) else values.cast(pa.int64())
+    return values if pa.types.is_string(values.type) or pa.types.is_large_string(values.type) else values.cast(pa.string())
 
 
 def export(conf: Any, state: dict, folder: Path) -> dict[str, Any]:

@@ -40,8 +40,10 @@ def describe(spec: SpaceSpec, net: NetConfig, normalize_obs: bool) -> dict[str, 
     """What rebuilds a learner's network, as JSON: the spaces, the built-in network's hidden
     sizes and activation or the user's factory by import path, and whether observations
     are normalised (their statistics are in the learner's state)."""
+    from raylane.registry import portable_target  # a factory file's path made absolute: found from any folder
+
     about_net: dict[str, Any] = ({"hidden": [int(h) for h in net.hidden], "activation": net.activation} if net.factory is None
-                                 else {"policy": net.name})
+                                 else {"policy": portable_target(net.name)})
     return {"spec": {"obs_dim": int(spec.obs_dim), "discrete": bool(spec.discrete), "act_dim": int(spec.act_dim),
                      "act_low": [float(x) for x in spec.act_low], "act_high": [float(x) for x in spec.act_high]},
             "net": about_net, "normalize_obs": bool(normalize_obs)}
@@ -158,7 +160,8 @@ def export(conf: Any, state: dict, folder: Path, described: Callable[[], dict[st
     torch.save(_tensors(learner, about), Path(folder) / MODEL_FILE)
     env = ({"env_id": conf.env_id, "env_module": conf.env_module, "env_kwargs": dict(conf.env_kwargs), "wrappers": list(conf.wrappers)}
            if conf is not None else {})  # which env it acts in (for the reader; the module needs none of it)
-    return {**about, "version": int(learner.get("version", 0)), **env}
+    code = [about["net"]["policy"]] if "policy" in about["net"] else []
+    return {**about, "version": int(learner.get("version", 0)), **env, "imports": code}
 
 
 def load(folder: Path, manifest: dict) -> PolicyModel:

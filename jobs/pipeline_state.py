@@ -92,7 +92,7 @@ def export(conf: Any, state: dict, folder: Path) -> dict[str, Any]:
     for i, m in enumerate(mods):
         gpt.load_layer_state(m, None, layers[str(i)])
     torch.save(torch.nn.Sequential(*mods).state_dict(), folder / "model.pt")
-    return {**about, "layers": len(mods), "last_loss": state.get("last_loss")}
+    return {**about, "layers": len(mods), "last_loss": state.get("last_loss"), "imports": [about["factory"]] if about["kind"] == "factory" else []}
 
 
 def load(folder: Path, manifest: dict) -> torch.nn.Sequential:

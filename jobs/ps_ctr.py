@@ -362,7 +362,8 @@ class PSCTRWorkload(BaseWorkload):
         """What rebuilds the model outside raylane (:mod:`raylane.actors.ctr_model`): its
         shape, and for a user's table the columns, in field order, and their scaling."""
         s, t = self.shape, self.table
-        inputs = None if t is None else {"categorical": list(t.categorical), "numeric": list(t.numeric), "scale": [list(x) for x in t.scale], "label": t.spec.label}
+        inputs = None if t is None else {"categorical": list(t.categorical), "numeric": list(t.numeric), "scale": [list(x) for x in t.scale], "label": t.spec.label,
+                                         "hashed_as": list(t.hashed_as)}
         c = self.config
         return {"fields": s.fields, "ids_per_field": s.ids_per_field, "dense_features": s.dense_features, "buckets": s.buckets,
                 "embedding_dim": s.embedding_dim, "hidden": s.hidden, "seed": c.seed, "init_scale": c.init_scale, "inputs": inputs}

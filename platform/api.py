@@ -18,7 +18,8 @@ command line runs it too::
     summary = run_workload(MyWorkload(config), config.driver)  # an instance you built
 
 A finished run's model comes out with ``load_model("runs/NAME")`` (ready to predict, no Ray
-needed; ``best=True`` for the step ``driver.keep_best`` kept) or ``export_run`` (the files).
+needed; ``best=True`` for the step ``driver.keep_best`` kept; ``trust_code=True`` for a model
+of your own code, which is imported to rebuild it) or ``export_run`` (the files).
 
 ``examples/dp_classifier.py`` is a whole workload in under 100 lines. Everything named in
 ``__all__`` is the stable surface; the rest of the package may change.

@@ -10,6 +10,7 @@ verdicts, and :mod:`raylane.best_store` keeps the best checkpoint.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -81,7 +82,8 @@ class Verdict:
     evaluated: bool = False
     """The step reported the metric (a finite number)."""
     improved: bool = False
-    """It beat the best so far by more than ``min_delta`` (the first evaluation always does)."""
+    """It beat the best so far (the first evaluation always does): the checkpoint to keep.
+    Patience counts improvements by more than ``min_delta`` only."""
     stop: str = ""
     """Why the run ends here (patience ran out); empty to go on."""
 
@@ -93,38 +95,47 @@ class Best:
 
     rule: Rule
     value: float | None = None
+    """The best evaluation so far (what ``keep_best`` keeps)."""
     step: int | None = None
     evaluations: int = 0
+    reference: float | None = None
+    """The evaluation patience counts from: the last that beat the one before it by more than ``min_delta``."""
     since: int = 0
-    """Evaluations since the best one."""
+    """Evaluations since the reference."""
 
     def see(self, step: int, metrics: dict[str, Any]) -> Verdict:
         """Step ``step``'s metrics (steps count from 1, as the run's log does)."""
-        value = metrics.get(self.rule.metric)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raw = metrics.get(self.rule.metric)
+        if isinstance(raw, bool) or not isinstance(raw, numbers.Real) or not math.isfinite(raw):
             return Verdict()
+        value = float(raw)
         self.evaluations += 1
-        if self.rule.better(float(value), self.value):
-            self.value, self.step, self.since = float(value), step, 0
-            return Verdict(evaluated=True, improved=True)
+        improved = self.rule.better(value, self.value, min_delta=0.0)
+        if improved:
+            self.value, self.step = value, step
+        if self.rule.better(value, self.reference):
+            self.reference, self.since = value, 0
+            return Verdict(evaluated=True, improved=improved)
         self.since += 1
         if self.rule.patience and self.since >= self.rule.patience:
             delta = f" by more than {self.rule.min_delta:g}" if self.rule.min_delta else ""
-            return Verdict(evaluated=True, stop=(f"early stop: {self.rule.metric} did not improve{delta} in {self.since} evaluations "
-                                                 f"(driver.early_stop_patience={self.rule.patience}); best {self.value:.6g} at step {self.step}"))
-        return Verdict(evaluated=True)
+            return Verdict(evaluated=True, improved=improved,
+                           stop=(f"early stop: {self.rule.metric} did not improve{delta} in {self.since} evaluations "
+                                 f"(driver.early_stop_patience={self.rule.patience}); best {self.value:.6g} at step {self.step}"))
+        return Verdict(evaluated=True, improved=improved)
 
     def state(self) -> dict[str, Any]:
         return {"metric": self.rule.metric, "mode": self.rule.mode, "value": self.value, "step": self.step,
-                "evaluations": self.evaluations, "since": self.since}
+                "evaluations": self.evaluations, "reference": self.reference, "since": self.since}
 
     def load(self, state: dict[str, Any] | None) -> None:
         """The state a checkpoint carried; one of another metric or mode (the run was resumed
         with another rule) or none (written before the rule existed) starts the count over."""
         if not state or state.get("metric") != self.rule.metric or state.get("mode") != self.rule.mode:
-            self.value, self.step, self.evaluations, self.since = None, None, 0, 0
+            self.value, self.step, self.evaluations, self.reference, self.since = None, None, 0, None, 0
             return
         self.value, self.step = state["value"], state["step"]
+        self.reference = state.get("reference", state["value"])
         self.evaluations, self.since = int(state["evaluations"]), int(state["since"])
 
     def summary(self) -> dict[str, Any]:

@@ -9,7 +9,9 @@ The copy is taken from a committed checkpoint: on a local filesystem as hard lin
 bytes copied: the store never rewrites a file in place, every save starts from an empty
 folder), elsewhere with the filesystem's own copy (a server-side copy on object stores).
 The manifest is copied last and ``BEST.json`` written after it, so a kill midway leaves the
-previous best whole and named; older copies are removed only then.
+previous best whole and named; older copies are removed only then. (A replay that reaches the
+kept step again with a better value rewrites that step's copy in place: a kill then leaves
+no kept best, which the next improvement makes again.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raylane.checkpoint import CheckpointStore
-from raylane.checkpoint_format import MANIFEST, CheckpointError
+from raylane.checkpoint_format import MANIFEST
 
 RECORD = "BEST.json"
 
@@ -55,14 +57,18 @@ class BestStore:
         try:
             with self.store.fs.open_input_stream(f"{self.store.root}/{RECORD}", compression=None) as f:
                 rec = json.loads(f.read())
-            self.store.verify(int(rec["step"]))
-        except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        return rec
+        # Sizes against the manifest (hashes are checked when it is loaded or exported): a
+        # start of the run does not read a kept checkpoint of gigabytes back from its store.
+        return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) and self.store._is_valid(rec["step"]) else None
 
-    def keep(self, step: int, best: dict[str, Any]) -> dict[str, Any]:
+    def keep(self, step: int, best: dict[str, Any], current: dict[str, Any] | None = None) -> dict[str, Any]:
         """Copy the main store's checkpoint ``step`` here as the best, with ``best`` (metric,
-        mode, value) recorded; the previous best goes once the new one is whole. Returns the record."""
+        mode, value) recorded; the previous best goes once the new one is whole. Returns the
+        record. ``current``: the record kept now (nothing is copied when it is this step and value)."""
+        if current is not None and current.get("step") == step and {k: current.get(k) for k in best} == best:
+            return current  # a replay that reached the same step with the same value: the copy kept is this one
         src, dst = self.main._dir(step), self.store._dir(step)
         with self.main.fs.open_input_stream(f"{src}/{MANIFEST}", compression=None) as f:
             manifest = json.loads(f.read())

@@ -76,6 +76,7 @@ class Driver(StateMachine):
         self._best_store: BestStore | None = None
         self._best_pending: int | None = None  # the step whose checkpoint is to be kept as the best once committed
         self.best_kept: dict[str, Any] | None = None
+        self._best_failed_said = False
         self._ckpt: Checkpointer | None = None
         self._ctx: Context | None = None
         self._nodes: NodeReactions | None = None
@@ -190,7 +191,8 @@ class Driver(StateMachine):
         self._ckpt.on_commit = self._committed
         if self._best is not None and self._best.rule.keep:
             self._best_store = BestStore(store)
-            self.best_kept = self._best_store.record()
+            kept = self._best_store.record()  # a resumed run's copy, if it was kept under the same rule
+            self.best_kept = kept if kept and (kept.get("metric"), kept.get("mode")) == (self._best.rule.metric, self._best.rule.mode) else None
         runlog.event("plan", assignments=[a.__dict__ for a in the_plan.assignments])
         check_spot_roles(roles, the_plan, cluster)
         short = self._elastic.report_shortfalls(roles, the_plan, runlog)
@@ -271,6 +273,7 @@ class Driver(StateMachine):
         self.workload.load_state_dict(state["workload"])
         if self._best is not None:  # patience counts on from where the checkpoint was
             self._best.load(state.get("driver", {}).get("best"))
+            self._best_pending = None  # a step past the checkpoint: not this run's any more
         self.log.rewind(step, f"replayed from the checkpoint of step {step}")  # steps past it run again: their first values leave
         self.steps_done = step
         self._ckpt.loaded(step)
@@ -302,7 +305,7 @@ class Driver(StateMachine):
     def _committed(self, info: CheckpointInfo) -> None:
         """A checkpoint was committed: the best evaluation's is copied apart (``keep_best``),
         unless the copy already kept is better (a run that rolled back and did not reach it again)."""
-        if self._best_store is None or self._best is None or info.step != self._best_pending:
+        if self._best_store is None or self._best is None or info.step != self._best_pending or info.step != self._best.step:
             return
         self._best_pending = None
         rule, value = self._best.rule, self._best.value
@@ -312,7 +315,15 @@ class Driver(StateMachine):
             self.log.event("best_not_replaced", step=info.step, value=value, kept_step=kept["step"], kept_value=kept["value"],  # type: ignore[union-attr]
                            reason="the copy kept is better: it was reached before the run rolled back")
             return
-        self.best_kept = self._best_store.keep(info.step, {"metric": rule.metric, "mode": rule.mode, "value": value})
+        try:
+            self.best_kept = self._best_store.keep(info.step, {"metric": rule.metric, "mode": rule.mode, "value": value}, current=kept)
+        except (OSError, ValueError, KeyError) as exc:  # the checkpoint itself is committed: the run goes on, saying so
+            why = f"the best checkpoint (step {info.step}, {rule.metric}={value}) could not be copied to {self._best_store.path}: {type(exc).__name__}: {exc}"
+            if not self._best_failed_said:
+                self._best_failed_said = True
+                _say(f"{why}; the run goes on, and the copy is tried again at the next improvement")
+            self.log.event("best_not_kept", step=info.step, value=value, reason=why)  # type: ignore[union-attr]
+            return
         self.log.event("best_kept", step=info.step, metric=rule.metric, value=value, path=self.best_kept["path"])  # type: ignore[union-attr]
 
     def _workload_state(self) -> dict:

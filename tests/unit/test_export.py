@@ -56,3 +56,30 @@ def test_an_export_whose_file_does_not_match_its_manifest_is_refused(tmp_path):
     (folder / "model.ubj").unlink()
     with pytest.raises(ExportError, match=r"model.ubj is missing"):
         read_export(folder)
+
+
+def test_an_export_never_imports_a_job_by_path_and_imports_a_users_code_only_when_trusted(tmp_path):
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "evil.py").write_text("raise SystemExit('ran')\n")
+    import hashlib
+
+    files = {"evil.py": {"size": (folder / "evil.py").stat().st_size, "sha256": hashlib.sha256((folder / "evil.py").read_bytes()).hexdigest()}}
+    for job, model, message in ((f"{folder}/evil.py:JOB", {}, r"job '.*evil.py:JOB' is not a job with an export in this raylane"),
+                                ("ppo", {"imports": [f"{folder}/evil.py:F"]}, r"rebuilt by importing .*evil.py:F, which runs that code; pass trust_code=True")):
+        (folder / "export.json").write_text(json.dumps({"version": 1, "job": job, "files": files, "model": model}))
+        with pytest.raises(ExportError, match=message):
+            load_model(folder)
+
+
+def test_out_never_replaces_a_folder_that_is_not_an_export(tmp_path):
+    run = a_run(tmp_path, "xgboost", "r")
+    mine = tmp_path / "models"
+    mine.mkdir()
+    (mine / "other.ubj").write_bytes(b"keep me")
+    for out, message in ((mine, r"it exists and is not an earlier export"), (tmp_path, r"it holds the run 'r' itself"), (run, r"it holds the run 'r' itself")):
+        with pytest.raises(ExportError, match=message):
+            from raylane.export import _target
+
+            _target(run, out, best=False)
+    assert (mine / "other.ubj").read_bytes() == b"keep me"
